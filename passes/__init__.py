@@ -1,0 +1,20 @@
+"""The poros-fx pass pipeline: the one place that says what runs when.
+
+A pass is ``(graph_module, schedule) -> graph_module``. The backend runs ``JOINT_PASSES`` on the
+joint forward+backward graph, partitions it (min-cut with the recompute tags when streaming, the
+default partition otherwise), then runs ``GRAPH_PASSES`` on the forward and on the backward graph.
+After every pass the dump hook (``poros_fx.dump``) writes the graph when dumping is on.
+"""
+
+from __future__ import annotations
+
+from .block_partition import block_partition
+from .prefetch import prefetch
+from .recompute import recompute
+from .residency import residency
+from .rng import rng
+
+JOINT_PASSES = (block_partition, recompute)
+GRAPH_PASSES = (rng, prefetch, residency)
+
+__all__ = ["GRAPH_PASSES", "JOINT_PASSES", "block_partition", "prefetch", "recompute", "residency", "rng"]

@@ -1,0 +1,106 @@
+"""Block partition: give every node of the joint graph the block it belongs to (``meta["poros_block"]``).
+
+Forward nodes are placed by the decoder layer in their ``nn_module_stack``; nodes outside any layer
+belong to ``embed`` when they run before the first layer and to ``head`` after the last one. Backward
+nodes are placed by ``fwd_nn_module_stack`` the same way; those without it (gradient accumulation,
+RNG wrappers) take the block of the nearest preceding backward node.
+
+Before (joint graph, two layers, block_size=1)::
+
+    embedding = aten.embedding(load, primals_57)                      # model.embed_tokens
+    mm = aten.mm(view, t)                                             # model.layers.0.self_attn.q_proj
+    mm_7 = aten.mm(view_9, t_7)                                       # model.layers.1.self_attn.q_proj
+    mm_14 = aten.mm(view_20, t_14)                                    # lm_head
+
+After: the same nodes, with ``meta["poros_block"]`` = 0 (embed), 1 (layers.0), 2 (layers.1), 3 (head),
+and ``schedule.blocks`` listing the four blocks with the base bytes each one loads.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch.fx as fx
+
+from poros_fx.errors import NoBlocksError
+from poros_fx.ops import LOAD
+from poros_fx.schedule import Block, Schedule
+
+BLOCK = "poros_block"
+FORWARD = "poros_forward"
+
+
+def forward_nodes(graph: fx.Graph, num_fwd_outputs: int) -> set[fx.Node]:
+    """Nodes the forward outputs depend on (the joint output's first ``num_fwd_outputs`` values)."""
+    output = next(iter(graph.find_nodes(op="output")))
+    roots = list(output.args[0][:num_fwd_outputs])
+    seen: set[fx.Node] = set()
+    while roots:
+        n = roots.pop()
+        if isinstance(n, fx.Node) and n not in seen:
+            seen.add(n)
+            roots.extend(n.all_input_nodes)
+    return seen
+
+
+def _layer_of(stack: dict | None, pattern: re.Pattern) -> int | None:
+    if not stack:
+        return None
+    for fqn, _cls in reversed(list(stack.values())):
+        m = pattern.search(str(fqn))
+        if m:
+            return int(m.group(1))
+    return None
+
+
+def block_partition(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
+    pattern = re.compile(rf"(?:^|\.){re.escape(schedule.layer_attr)}\.(\d+)(?:\.|$)")
+    graph = gm.graph
+    fwd = forward_nodes(graph, schedule.num_fwd_outputs)
+    nodes = [n for n in graph.nodes if n.op == "call_function"]
+    layer_of = {n: _layer_of(n.meta.get("nn_module_stack"), pattern) for n in nodes if n in fwd}
+    layers = sorted({v for v in layer_of.values() if v is not None})
+    if not layers:
+        raise NoBlocksError(f"no node of the captured graph runs inside a decoder layer ('.{schedule.layer_attr}.N' in "
+                            "its module path): poros-fx has nothing to stream. Is the model's forward compiled "
+                            "(torch.compile(model, ...)) rather than a function that bypasses its layers?")
+    num_layer_blocks = max(layers) // schedule.block_size + 1
+    head = num_layer_blocks + 1
+    names = ["embed"] + [_layer_block_name(i, schedule.block_size, max(layers)) for i in range(num_layer_blocks)] + ["head"]
+    schedule.blocks = [Block(index=i, name=name) for i, name in enumerate(names)]
+
+    fwd_order = [n for n in nodes if n in fwd]
+    last_layer_pos = max(i for i, n in enumerate(fwd_order) if layer_of[n] is not None)
+    current = 0  # embed until the first layer node
+    for i, n in enumerate(fwd_order):
+        if layer_of[n] is not None:
+            current = 1 + layer_of[n] // schedule.block_size
+        elif i > last_layer_pos:
+            current = head
+        n.meta[BLOCK] = current
+        n.meta[FORWARD] = True
+        schedule.blocks[current].forward_nodes += 1
+
+    previous = head
+    for n in nodes:
+        if n in fwd:
+            continue
+        layer = _layer_of(n.meta.get("fwd_nn_module_stack"), pattern)
+        if layer is not None:
+            previous = 1 + layer // schedule.block_size
+        n.meta[BLOCK] = previous
+        n.meta[FORWARD] = False
+
+    for n in nodes:
+        if n.target is LOAD and n.meta.get(FORWARD):
+            entry = schedule.host_inputs.get(n.args[0].name)
+            block = schedule.blocks[n.meta[BLOCK]]
+            if entry is not None:
+                block.weights.append(entry.name)
+                block.nbytes += entry.nbytes
+    return gm
+
+
+def _layer_block_name(block: int, block_size: int, last_layer: int) -> str:
+    start, end = block * block_size, min(block * block_size + block_size - 1, last_layer)
+    return f"layers.{start}" if start == end else f"layers.{start}-{end}"

@@ -1,0 +1,41 @@
+"""Recompute: tag every forward node of a block ``MUST_RECOMPUTE`` in its own checkpoint region.
+
+The min-cut partitioner then saves only what crosses a region boundary (one hidden state per block,
+plus small values such as rotary tables) and reruns each block's interior, its ``poros::load`` calls
+included, just before that block's gradients. A loaded weight is never saved: ``MUST_RECOMPUTE``
+nodes are banned from the saved set, so the backward reloads the block instead of receiving the
+forward's device copy. With ``stream=False`` nothing is tagged and the default partition saves.
+
+Before (joint graph, ``meta`` shown in brackets)::
+
+    load = poros.load(primals_3, cpu)            [poros_block=1]
+    mm = aten.mm(view, t)                        [poros_block=1]
+    add_3 = aten.add(add_1, view_5)              [poros_block=1]   # layer 0's output
+    load_7 = poros.load(primals_12, cpu)         [poros_block=2]
+
+After::
+
+    load = poros.load(primals_3, cpu)            [poros_block=1, recompute=MUST_RECOMPUTE, ac_graph_id=2]
+    mm = aten.mm(view, t)                        [..., MUST_RECOMPUTE, ac_graph_id=2]
+    add_3 = aten.add(add_1, view_5)              [..., MUST_RECOMPUTE, ac_graph_id=2]  # the partitioner saves it:
+    load_7 = poros.load(primals_12, cpu)         [..., MUST_RECOMPUTE, ac_graph_id=3]  # a later region reads it
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from poros_fx.schedule import Schedule
+
+from .block_partition import BLOCK, FORWARD
+
+
+def recompute(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
+    if not schedule.stream:
+        return gm
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.meta.get(FORWARD):
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n.meta["ac_graph_id"] = n.meta[BLOCK] + 1
+    return gm

@@ -1,0 +1,75 @@
+"""Residency: hand loads to the runtime and evict every loaded tensor right after its last use.
+
+Each ``poros.load`` becomes a call of the graph's ``GraphRuntime.load`` (ledger, resident cache for
+``stream=False``). With streaming on, an ``evict`` follows the last reader of the loaded tensor and
+of every view of it, and the pass checks the structural promise: no loaded tensor (or view of one)
+leaves the forward graph, so the backward can only get base weights by loading them again.
+
+Before (forward graph)::
+
+    load = poros.load(primals_3, cpu)
+    t = aten.t(load)
+    mm = aten.mm(view, t)
+    add = aten.add(mm, ...)
+
+After::
+
+    load = runtime.load(primals_3, cpu, 1)
+    t = aten.t(load)
+    mm = aten.mm(view, t)
+    evict = runtime.evict(load)            # load and t are dead from here
+    add = aten.add(mm, ...)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from poros_fx.errors import PorosExactnessError
+from poros_fx.ops import LOAD
+from poros_fx.schedule import Evict, Schedule
+
+from .block_partition import BLOCK
+from .rng import PHASE
+
+
+def aliases(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every view derived from it."""
+    found, todo = [node], [node]
+    while todo:
+        for user in todo.pop().users:
+            target = user.target
+            if isinstance(target, torch._ops.OpOverload) and target.is_view and user not in found:
+                found.append(user)
+                todo.append(user)
+    return found
+
+
+def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
+    phase = gm.meta[PHASE]
+    runtime = schedule.runtime
+    graph = gm.graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    output = next(iter(graph.find_nodes(op="output")))
+    for ld in [n for n in graph.nodes if n.target is LOAD]:
+        host, device = ld.args
+        block = ld.meta[BLOCK]
+        ld.target = runtime.load
+        ld.args = (host, device, block)
+        if not schedule.stream:
+            continue
+        group = aliases(ld)
+        if output in {u for a in group for u in a.users}:
+            raise PorosExactnessError(f"{phase} graph hands the loaded base tensor {ld.name} (or a view of it) to its "
+                                      "output; the backward would keep a device copy of the base")
+        last = max((u for a in group for u in a.users), key=position.__getitem__)
+        with graph.inserting_after(last):
+            ev = graph.call_function(runtime.evict, (ld,))
+        ev.meta[BLOCK] = block
+        entry = schedule.host_inputs.get(host.name)
+        schedule.evicts.append(Evict(phase=phase, block=block, weight=entry.name if entry else host.name,
+                                     after_node=last.name))
+    graph.lint()
+    gm.recompile()
+    return gm

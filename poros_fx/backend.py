@@ -1,0 +1,103 @@
+"""The ``poros`` torch.compile backend: Dynamo's graph -> AOTAutograd -> our passes -> our runtime.
+
+``torch.compile(model, backend="poros", options={...})`` resolves here through the
+``torch_dynamo_backends`` entry point. The joint graph goes through ``passes.JOINT_PASSES``, is
+partitioned (min-cut with recompute tags when streaming, so the backward reloads and recomputes each
+block; the default partition with ``stream=False``), and the forward and backward graphs go through
+``passes.GRAPH_PASSES`` before they run, boxed, under a ``GraphRuntime``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch._functorch import config as functorch_config
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+from torch.fx.graph import _BoxedCodeGen
+
+from .passes import GRAPH_PASSES, JOINT_PASSES
+from .passes.block_partition import BLOCK, FORWARD
+from .passes.rng import PHASE
+
+from .dump import Dumper
+from .options import PorosOptions
+from .prepare import ENTRY_ATTR
+from .runtime.executor import GraphRuntime
+from .runtime.store import HostStore
+from .schedule import Schedule
+
+UNPREPARED_WARNING = ("poros backend: the compiled model was not prepared with poros_fx.prepare, so its base stays "
+                      "on its device; it runs resident with block recompute (activation memory of one block). "
+                      "Call poros_fx.prepare(model) before torch.compile to stream the base.")
+
+
+def _find_store(example_inputs: list[Any]) -> HostStore | None:
+    for t in example_inputs:
+        entry = getattr(t, ENTRY_ATTR, None) if isinstance(t, torch.Tensor) else None
+        if entry is not None:
+            return entry.store
+    return None
+
+
+def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
+    """The backend. ``options``: ``block_size``, ``prefetch``, ``stream``, ``dump`` (see ``PorosOptions``)."""
+    opts = PorosOptions.from_dict(options)
+    store = _find_store(example_inputs)
+    if store is None:
+        warnings.warn(UNPREPARED_WARNING, stacklevel=2)
+    dumper = Dumper(opts.dump)
+    schedule = Schedule(
+        graph_id=dumper.folder.name if dumper.folder else hex(id(gm)),
+        options=opts,
+        device=store.device if store else torch.device("cpu"),
+        block_size=opts.block_size or (store.block_size if store else 1),
+        prefetch=opts.prefetch if opts.prefetch is not None else (store.prefetch if store else 1),
+        stream=opts.stream,
+        layer_attr=store.family.layer_attr if store else "layers",
+    )
+    if store is not None:
+        store.schedules.append(schedule)
+    primals = (f"primals_{i}" for i in itertools.count(1))
+    schedule.host_inputs = {name: getattr(t, ENTRY_ATTR) for name, t in zip(primals, example_inputs)
+                            if isinstance(t, torch.Tensor) and getattr(t, ENTRY_ATTR, None) is not None}
+
+    def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
+        schedule.num_fwd_outputs = num_fwd_outputs
+        dumper.graph(joint, "joint")
+        for joint_pass in JOINT_PASSES:
+            joint = joint_pass(joint, schedule)
+            dumper.graph(joint, f"joint_{joint_pass.__name__}")
+        partition = min_cut_rematerialization_partition if schedule.stream else default_partition
+        # graph-safe RNG gives each random op a private generator: exact between forward and recompute
+        # but not the stream eager draws from. The plain wrappers save and restore the global state.
+        with functorch_config.patch(graphsafe_rng_functionalization=False):
+            fw, bw = partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        fw_out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
+        schedule.saved_boundaries = [str(n) for n in fw_out[num_fwd_outputs:]]
+        for n in bw.graph.nodes:
+            if n.meta.get(FORWARD) and n.op == "call_function":
+                schedule.blocks[n.meta[BLOCK]].recomputed_nodes += 1
+        return fw, bw
+
+    def compiler(phase: str) -> Callable:
+        def compile_graph(graph: fx.GraphModule, _inputs: Any) -> Callable:
+            graph.meta[PHASE] = phase
+            schedule.runtime = GraphRuntime(store, schedule.stream, phase)
+            for graph_pass in GRAPH_PASSES:
+                graph = graph_pass(graph, schedule)
+                dumper.graph(graph, f"{phase}_{graph_pass.__name__}")
+            dumper.schedule(schedule)
+            schedule.graphs[phase] = graph
+            graph.graph.set_codegen(_BoxedCodeGen())
+            graph.recompile()
+            return schedule.runtime.wrap(graph)
+
+        return compile_graph
+
+    return aot_module_simplified(gm, example_inputs, fw_compiler=compiler("forward"),
+                                 bw_compiler=compiler("backward"), partition_fn=partition_fn)

@@ -1,0 +1,48 @@
+"""Graph dumps: what the compiler captured and what every pass made of it, readable by people.
+
+With ``options={"dump": folder}`` or ``POROS_FX_DUMP=folder`` each compiled graph gets a folder
+``graph_N`` holding ``00_joint.py`` (the captured joint graph), ``NN_<phase>_<pass>.py`` after every
+pass (readable Python, devices shown) and ``schedule.txt`` (the schedule table).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch.fx as fx
+
+from .schedule import Schedule
+
+
+class Dumper:
+    def __init__(self, folder: str | None) -> None:
+        self.folder: Path | None = None
+        self.count = 0
+        if folder:
+            root = Path(folder)
+            root.mkdir(parents=True, exist_ok=True)
+            n = sum(1 for p in root.iterdir() if p.name.startswith("graph_"))
+            while (root / f"graph_{n}").exists():
+                n += 1
+            self.folder = root / f"graph_{n}"
+            self.folder.mkdir()
+
+    @property
+    def enabled(self) -> bool:
+        return self.folder is not None
+
+    def graph(self, gm: fx.GraphModule, label: str) -> None:
+        if self.folder is None:
+            return
+        text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+        (self.folder / f"{self.count:02d}_{label}.py").write_text(text)
+        self.count += 1
+
+    def schedule(self, schedule: Schedule) -> None:
+        if self.folder is None:
+            return
+        (self.folder / "schedule.txt").write_text(schedule.table())
+
+    def __repr__(self) -> str:
+        return f"Dumper({os.fspath(self.folder) if self.folder else None})"

@@ -1,0 +1,69 @@
+"""Model families poros-fx knows how to cut into blocks.
+
+A family says where the decoder layers of a ``transformers`` causal LM live and which status its
+exactness has: ``validated`` (a parity test in this repository's CI proves streamed == resident ==
+eager, bit for bit) or ``user_asserted`` (the user registered it; nothing here has checked it).
+The validated table is a constant; a user family is passed to ``prepare(..., family=...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Literal
+
+from .errors import UnsupportedArchitectureError
+
+Status = Literal["validated", "user_asserted"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """Where a causal LM keeps its blocks, as attribute paths from the ``*ForCausalLM`` module."""
+
+    model_type: str
+    layers: str = "model.layers"
+    embed: str = "model.embed_tokens"
+    norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    status: Status = "validated"
+    test: str = ""  # the CI test that validates it
+
+    @property
+    def layer_attr(self) -> str:
+        """Last component of the layer-list path (``layers``), used to read node module paths."""
+        return self.layers.rsplit(".", 1)[-1]
+
+
+def _validated(model_type: str) -> Family:
+    return Family(model_type=model_type, test="tests/test_parity.py")
+
+
+VALIDATED: types.MappingProxyType[str, Family] = types.MappingProxyType(
+    {f.model_type: f for f in (_validated("qwen2"), _validated("llama"), _validated("mistral"), _validated("qwen3"))}
+)
+
+
+def user_asserted(model_type: str, *, layers: str = "model.layers", embed: str = "model.embed_tokens",
+                  norm: str = "model.norm", lm_head: str = "lm_head") -> Family:
+    """A family the user vouches for. ``prepare(model, family=user_asserted("mytype"))`` streams it,
+    and ``prepare``'s report labels the guarantee ``user_asserted`` (no parity test has run here)."""
+    return Family(model_type=model_type, layers=layers, embed=embed, norm=norm, lm_head=lm_head,
+                  status="user_asserted")
+
+
+def resolve(model_type: str | None, family: Family | None = None) -> Family:
+    """The family for ``model_type``: the user's if given, else the validated one, else raise."""
+    if family is not None:
+        if model_type is not None and family.model_type != model_type:
+            raise UnsupportedArchitectureError(
+                f"family {family.model_type!r} was given for a model of type {model_type!r}; "
+                f"pass poros_fx.user_asserted({model_type!r}, ...) instead")
+        return family
+    if model_type in VALIDATED:
+        return VALIDATED[model_type]
+    names = ", ".join(sorted(VALIDATED))
+    raise UnsupportedArchitectureError(
+        f"model type {model_type!r} is not a validated poros-fx family (validated: {names}). "
+        f"If its decoder layers live in a list like model.layers, you can stream it at your own risk with "
+        f"poros_fx.prepare(model, family=poros_fx.user_asserted({model_type!r}, layers='model.layers')).")

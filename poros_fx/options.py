@@ -1,0 +1,35 @@
+"""The ``options=`` dict of ``torch.compile(..., backend="poros", options=...)``, checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from .errors import PorosConfigError
+from .prepare import check_block_options
+
+DUMP_ENV = "POROS_FX_DUMP"
+
+
+@dataclasses.dataclass(frozen=True)
+class PorosOptions:
+    block_size: int | None = None  # None: what prepare() was given
+    prefetch: int | None = None  # None: what prepare() was given
+    stream: bool = True  # False: base resident, nothing recomputed (the parity reference)
+    dump: str | None = None  # folder for graph dumps; POROS_FX_DUMP when not given
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | None) -> "PorosOptions":
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise PorosConfigError(f"unknown poros option(s) {unknown}; known options: {sorted(known)}")
+        opts = cls(**options)
+        check_block_options(1 if opts.block_size is None else opts.block_size, 0 if opts.prefetch is None else opts.prefetch)
+        if not isinstance(opts.stream, bool):
+            raise PorosConfigError(f"stream must be True or False, got {opts.stream!r}")
+        if opts.dump is None and os.environ.get(DUMP_ENV):
+            opts = dataclasses.replace(opts, dump=os.environ[DUMP_ENV])
+        return opts

@@ -1,0 +1,77 @@
+"""Train the same recipe two ways and compare every surface with ``torch.equal``.
+
+``train(model, batches, ...)`` runs AdamW steps (with gradient accumulation) on ``model`` as given
+(eager, or compiled through the poros backend) and records, per optimizer step: the loss of each
+micro-batch, the adapter gradient norm, the adapter weights and the full optimizer state.
+``compare(a, b)`` gives the largest absolute difference per surface (0.0 means bit-identical,
+checked with ``torch.equal``, never a tolerance).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass
+class Trace:
+    losses: list[torch.Tensor] = dataclasses.field(default_factory=list)  # one per micro-batch
+    grad_norms: list[torch.Tensor] = dataclasses.field(default_factory=list)  # one per optimizer step
+    weights: list[list[torch.Tensor]] = dataclasses.field(default_factory=list)  # adapter, after each step
+    optimizer: list[list[torch.Tensor]] = dataclasses.field(default_factory=list)  # exp_avg, exp_avg_sq, step
+
+
+SURFACES = ("loss", "weights", "grad_norms", "optimizer")
+
+
+def train(model: nn.Module, step_model: Callable, batches: Sequence[dict], *, accumulate: int = 1, lr: float = 1e-3,
+          seed: int = 1234) -> Trace:
+    """``len(batches) // accumulate`` AdamW steps; ``step_model`` is ``model`` or its compiled form."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    torch.manual_seed(seed)  # dropout masks come from the global generator
+    trace = Trace()
+    for start in range(0, len(batches) - accumulate + 1, accumulate):
+        for batch in batches[start:start + accumulate]:
+            loss = step_model(**batch, use_cache=False).loss / accumulate
+            loss.backward()
+            trace.losses.append(loss.detach().clone())
+        trace.grad_norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        trace.weights.append([p.detach().clone() for p in params])
+        trace.optimizer.append([t.detach().clone() for p in params for t in (opt.state[p]["exp_avg"],
+                                opt.state[p]["exp_avg_sq"], opt.state[p]["step"])])
+    return trace
+
+
+def _max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    if len(a) != len(b):
+        return float("inf")
+    worst = 0.0
+    for x, y in zip(a, b):
+        if torch.equal(x, y):
+            continue
+        if x.shape != y.shape:
+            return float("inf")
+        worst = max(worst, (x.double() - y.double()).abs().max().item(), float.fromhex("0x1p-1074"))
+    return worst
+
+
+def compare(a: Trace, b: Trace) -> dict[str, float]:
+    """Largest absolute difference per surface; 0.0 only when every tensor is ``torch.equal``."""
+    return {
+        "loss": _max_diff(a.losses, b.losses),
+        "weights": max((_max_diff(x, y) for x, y in zip(a.weights, b.weights)), default=0.0)
+        if len(a.weights) == len(b.weights) else float("inf"),
+        "grad_norms": _max_diff(a.grad_norms, b.grad_norms),
+        "optimizer": max((_max_diff(x, y) for x, y in zip(a.optimizer, b.optimizer)), default=0.0)
+        if len(a.optimizer) == len(b.optimizer) else float("inf"),
+    }
+
+
+def format_diffs(label: str, diffs: dict[str, float]) -> str:
+    return f"{label:<28}" + "  ".join(f"{k}={v:.2e}" for k, v in diffs.items())

@@ -1,0 +1,318 @@
+"""``prepare``: move a model's frozen base into the host store and route every read through ``poros::load``.
+
+After ``prepare`` the module tree is the user's own (same classes as far as ``isinstance`` can tell,
+same parameter names, same adapter), with two changes:
+
+* every frozen tensor's data lives in the host store (pinned host memory for CUDA, a separate CPU
+  tensor for the CPU), so nothing of the base stays on the compute device between uses;
+* each module holding frozen tensors gets a subclass of its own class whose ``weight`` / ``bias``
+  attributes are properties returning ``poros::load(host, device)`` (bitsandbytes ``Linear4bit``
+  gets a forward that loads the packed weight and its quant state the same way and then calls the
+  very ``bnb.matmul_4bit`` the original forward calls).
+
+``unprepare`` reverses both.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import ops
+from .errors import NoBlocksError, PorosConfigError
+from .families import Family, resolve
+from .runtime.store import HostEntry, HostStore
+
+STORE_ATTR = "_poros_store"
+ENTRY_ATTR = "_poros_entry"
+
+
+def check_block_options(block_size: Any, prefetch: Any) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise PorosConfigError(f"block_size must be an integer >= 1 (decoder layers per streamed block), got {block_size!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise PorosConfigError(f"prefetch must be an integer >= 0 (blocks loaded ahead of the one computing), got {prefetch!r}")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type not in ("cpu", "cuda"):
+        raise PorosConfigError(f"device must be 'cpu' or 'cuda', got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PorosConfigError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu' or device=None")
+    return device
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module under a ``torch.compile`` wrapper."""
+    return getattr(model, "_orig_mod", model)
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The ``*ForCausalLM`` module inside a PEFT wrapper (or the model itself)."""
+    model = unwrap(model)
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def get_store(model: nn.Module) -> HostStore | None:
+    return getattr(unwrap(model), STORE_ATTR, None)
+
+
+def block_names(num_layers: int, block_size: int) -> list[str]:
+    names = ["embed"]
+    for start in range(0, num_layers, block_size):
+        end = min(start + block_size, num_layers) - 1
+        names.append(f"layers.{start}" if start == end else f"layers.{start}-{end}")
+    return names + ["head"]
+
+
+def prepare(model: nn.Module, device: str | torch.device | None = None, block_size: int = 1, prefetch: int = 1,
+            *, family: Family | None = None) -> nn.Module:
+    """Move the frozen base of ``model`` into a host store; returns ``model`` (changed in place).
+
+    ``device`` is the compute device (``None``: CUDA when present, else CPU). ``block_size`` decoder
+    layers are streamed together; ``prefetch`` blocks are loaded ahead of the one computing.
+    ``family`` registers an architecture that is not validated (``poros_fx.user_asserted(...)``).
+    """
+    check_block_options(block_size, prefetch)
+    device = resolve_device(device)
+    if hasattr(model, "_orig_mod"):
+        raise PorosConfigError("prepare the model before torch.compile: poros_fx.prepare(model) then torch.compile(model, backend='poros')")
+    if get_store(model) is not None:
+        raise PorosConfigError("model is already prepared; call poros_fx.unprepare(model) first to change its settings")
+    lm = causal_lm(model)
+    config = getattr(lm, "config", None)
+    fam = resolve(getattr(config, "model_type", None), family)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise PorosConfigError("model has no trainable parameters: attach an adapter first "
+                               "(model = peft.get_peft_model(model, peft.LoraConfig(...))), then prepare it")
+    try:
+        layers = lm.get_submodule(fam.layers)
+    except AttributeError:
+        layers = None
+    if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        raise NoBlocksError(f"found no decoder layers at {type(lm).__name__}.{fam.layers}; poros-fx streams a model "
+                            f"block by block and needs that list (family {fam.model_type!r} says it is there)")
+
+    names = block_names(len(layers), block_size)
+    store = HostStore(device=device, block_size=block_size, prefetch=prefetch, family=fam, block_names=names)
+    head = len(names) - 1
+    layer_re = re.compile(rf"^{re.escape(fam.layers)}\.(\d+)(\.|$)")
+
+    def block_of(module_name: str) -> int:
+        m = layer_re.match(module_name)
+        if m:
+            return 1 + int(m.group(1)) // block_size
+        if module_name == fam.embed or module_name.startswith(fam.embed + "."):
+            return 0
+        return head  # final norm, lm_head, anything after the layers
+
+    reader_blocks: dict[int, set[int]] = {}
+    owners: list[tuple[str, nn.Module, list[str]]] = []
+    for mod_name, module in lm.named_modules():
+        frozen = [n for n, p in module._parameters.items() if p is not None and not p.requires_grad]
+        if not frozen:
+            continue
+        odd = [n for n in frozen if n not in ("weight", "bias")]
+        if odd:
+            raise PorosConfigError(f"{mod_name or type(module).__name__}: frozen parameter(s) {odd} are not named weight or "
+                                   "bias; poros-fx cannot route them through its loads yet")
+        owners.append((mod_name, module, frozen))
+        for n in frozen:
+            reader_blocks.setdefault(id(module._parameters[n]), set()).add(block_of(mod_name))
+
+    classes: dict[type, type] = {}
+    for mod_name, module, frozen in owners:
+        if _is_linear4bit(module):
+            _move_linear4bit(store, mod_name, module, reader_blocks)
+            frozen = [n for n in frozen if n != "weight"]
+        for n in frozen:
+            _move_param(store, f"{mod_name}.{n}" if mod_name else n, module._parameters[n],
+                        tuple(sorted(reader_blocks[id(module._parameters[n])])))
+        original = type(module)
+        if original not in classes:
+            classes[original] = _poros_class(original, module)
+        module.__class__ = classes[original]
+        module._poros_device = device
+        module._poros_frozen = tuple(frozen)
+        store.undo.append(lambda module=module, original=original: _restore_class(module, original))
+    setattr(model, STORE_ATTR, store)
+    if unwrap(model) is not lm:
+        setattr(lm, STORE_ATTR, store)
+    return model
+
+
+def unprepare(model: nn.Module) -> nn.Module:
+    """Put every frozen tensor back on the device it came from and restore the module classes."""
+    model = unwrap(model)
+    store = get_store(model)
+    if store is None:
+        raise PorosConfigError("model is not prepared (poros_fx.prepare was not called on it, or unprepare already ran)")
+    for undo in reversed(store.undo):
+        undo()
+    store.resident_cache.clear()
+    for holder in {id(model): model, id(causal_lm(model)): causal_lm(model)}.values():
+        if hasattr(holder, STORE_ATTR):
+            delattr(holder, STORE_ATTR)
+    return model
+
+
+# -- moving tensors ---------------------------------------------------------------------------------
+
+def _host_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A new contiguous host tensor with ``t``'s values (pinned for a CUDA compute device).
+
+    Plain ``empty`` + ``copy_`` on purpose: ``Params4bit.to`` would move its quant state as a side effect.
+    """
+    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=device.type == "cuda")
+    host.copy_(t.data)
+    return host
+
+
+def _move_param(store: HostStore, name: str, param: torch.Tensor, blocks: tuple[int, ...]) -> None:
+    if id(param) in store.entries:
+        return  # a tied tensor, already moved under its first name
+    origin = param.device
+    param.data = _host_copy(param, store.device)
+    _add_entry(store, name, param, origin, blocks)
+
+    def undo(param=param, origin=origin):
+        param.data = param.data.to(origin)
+        param.__dict__.pop(ENTRY_ATTR, None)
+
+    store.undo.append(undo)
+
+
+_QS_BUFFERS = ("absmax", "code", "offset", "absmax2", "code2")
+
+
+def _is_linear4bit(module: nn.Module) -> bool:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return False
+    return isinstance(module, bnb.nn.Linear4bit)
+
+
+def _quant_state_tensors(qs: Any) -> dict[str, torch.Tensor]:
+    found = {"absmax": qs.absmax, "code": qs.code}
+    if qs.nested:
+        found.update(offset=qs.offset, absmax2=qs.state2.absmax, code2=qs.state2.code)
+    return {k: v for k, v in found.items() if isinstance(v, torch.Tensor)}
+
+
+def _move_linear4bit(store: HostStore, mod_name: str, module: nn.Module, reader_blocks: dict[int, set[int]]) -> None:
+    """The packed weight becomes a plain frozen Parameter on the host; quant-state tensors become
+    non-persistent buffers (graph inputs for Dynamo) in the host store. The ``Params4bit`` is set aside
+    (its data pointing at the host copy) so ``unprepare`` can put it back."""
+    params4bit = module._parameters["weight"]
+    qs = params4bit.quant_state
+    if qs is None:
+        raise PorosConfigError(f"{mod_name}: bitsandbytes Linear4bit is not quantized yet (move it to a device first)")
+    if getattr(qs, "packing_format_for_cpu", False):
+        raise PorosConfigError(f"{mod_name}: weight was repacked for CPU inference; reload the model for training")
+    blocks = tuple(sorted(reader_blocks[id(params4bit)]))
+    origin = params4bit.device
+    packed = nn.Parameter(_host_copy(params4bit, store.device), requires_grad=False)
+    params4bit.data = packed.data  # the set-aside Params4bit must not keep device memory alive
+    _add_entry(store, f"{mod_name}.weight", packed, origin, blocks)
+    module._parameters["weight"] = packed
+    module._poros_quant_state = qs
+    for key, tensor in _quant_state_tensors(qs).items():
+        buf = nn.Parameter(_host_copy(tensor, store.device), requires_grad=False)
+        _add_entry(store, f"{mod_name}.weight.quant_state.{key}", buf, tensor.device, blocks)
+        module.register_buffer(f"poros_qs_{key}", buf, persistent=False)
+    # the QuantState object now points at the host copies, so nothing of it stays on the device
+    _set_quant_state(qs, {k: getattr(module, f"poros_qs_{k}").data for k in _quant_state_tensors(qs)})
+
+    def undo(module=module, qs=qs, params4bit=params4bit, origin=origin):
+        params4bit.data = module._parameters["weight"].data.to(origin)
+        module._parameters["weight"] = params4bit
+        _set_quant_state(qs, {k: module._buffers[f"poros_qs_{k}"].data.to(origin) for k in _QS_BUFFERS
+                              if f"poros_qs_{k}" in module._buffers})
+        for key in _QS_BUFFERS:
+            module._buffers.pop(f"poros_qs_{key}", None)
+        module.__dict__.pop("_poros_quant_state", None)
+
+    store.undo.append(undo)
+
+
+def _add_entry(store: HostStore, name: str, host: torch.Tensor, origin: torch.device, blocks: tuple[int, ...]) -> None:
+    entry = HostEntry(name=name, host=host, origin_device=origin, blocks=blocks, store=store)
+    store.entries[id(host)] = entry
+    setattr(host, ENTRY_ATTR, entry)
+
+
+def _set_quant_state(qs: Any, tensors: dict[str, torch.Tensor]) -> None:
+    for key, t in tensors.items():
+        if key == "absmax2":
+            qs.state2.absmax = t
+        elif key == "code2":
+            qs.state2.code = t
+        else:
+            setattr(qs, key, t)
+
+
+# -- the module subclasses --------------------------------------------------------------------------
+
+def _load_property(name: str) -> property:
+    def get(self: nn.Module) -> torch.Tensor | None:
+        param = self._parameters.get(name)
+        if param is None or param.requires_grad:
+            return param
+        return ops.load(param, self._poros_device)
+
+    return property(get, doc=f"{name}, loaded from the poros host store onto the compute device")
+
+
+def _poros_class(original: type, module: nn.Module) -> type:
+    namespace: dict[str, Any] = {"__module__": original.__module__, "_poros_original_class": original}
+    if _is_linear4bit(module):
+        namespace["forward"] = _linear4bit_forward
+        namespace["bias"] = _load_property("bias")
+    else:
+        for name in ("weight", "bias"):
+            namespace[name] = _load_property(name)
+    return type(original.__name__, (original,), namespace)
+
+
+def _restore_class(module: nn.Module, original: type) -> None:
+    module.__class__ = original
+    for attr in ("_poros_device", "_poros_frozen", "_poros_quant_state"):
+        module.__dict__.pop(attr, None)
+
+
+def _linear4bit_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes ``Linear4bit.forward`` (0.49/0.50) with the packed weight and quant state loaded."""
+    import bitsandbytes as bnb
+    from bitsandbytes.functional import QuantState
+
+    device = self._poros_device
+    host_qs = self._poros_quant_state
+    state2 = None
+    if host_qs.nested:
+        state2 = QuantState(absmax=ops.load(self.poros_qs_absmax2, device), code=ops.load(self.poros_qs_code2, device),
+                            blocksize=host_qs.state2.blocksize, dtype=host_qs.state2.dtype)
+    quant_state = QuantState(
+        absmax=ops.load(self.poros_qs_absmax, device), shape=host_qs.shape,
+        code=ops.load(self.poros_qs_code, device), blocksize=host_qs.blocksize, quant_type=host_qs.quant_type,
+        dtype=host_qs.dtype, offset=ops.load(self.poros_qs_offset, device) if host_qs.nested else None, state2=state2)
+    packed = ops.load(self._parameters["weight"], device)
+    if not self.compute_type_is_set:
+        self.set_compute_type(x)
+        self.compute_type_is_set = True
+    inp_dtype = x.dtype
+    if self.compute_dtype is not None:
+        x = x.to(self.compute_dtype)
+    bias = self.bias
+    if bias is not None:
+        bias = bias.to(x.dtype).to(self.compute_dtype)
+    return bnb.matmul_4bit(x, packed.t(), bias=bias, quant_state=quant_state).to(inp_dtype)

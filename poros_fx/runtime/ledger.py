@@ -1,0 +1,42 @@
+"""The residency ledger: what of the frozen base is on the compute device, measured as it happens.
+
+Every runtime load adds the bytes of the device copy it made, every evict removes them; the peak is
+taken after each load. Nothing here is derived from a formula: if a schedule keeps two blocks
+resident, the ledger sees two blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class ResidencyLedger:
+    resident_bytes: int = 0
+    peak_resident_base_bytes: int = 0
+    bytes_loaded: int = 0
+    loads: int = 0
+    evictions: int = 0
+    recomputed_blocks: int = 0
+    forward_runs: int = 0
+    backward_runs: int = 0
+
+    def on_load(self, nbytes: int) -> None:
+        self.loads += 1
+        self.bytes_loaded += nbytes
+        self.resident_bytes += nbytes
+        self.peak_resident_base_bytes = max(self.peak_resident_base_bytes, self.resident_bytes)
+
+    def on_evict(self, nbytes: int) -> None:
+        self.evictions += 1
+        self.resident_bytes -= nbytes
+        if self.resident_bytes < 0:
+            raise AssertionError("residency ledger went negative: an evict without its load")
+
+    def reset(self) -> None:
+        """Zero the counters (the resident set itself is what it is)."""
+        resident = self.resident_bytes
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
+        self.resident_bytes = resident
+        self.peak_resident_base_bytes = resident

@@ -1,0 +1,102 @@
+"""The Schedule: what the passes decided for one compiled graph, in one object that dumps read.
+
+Passes fill it (block partition: blocks and node owners; recompute: regions; RNG: slots; residency:
+loads, prefetch positions and evicts); ``table()`` renders it for people.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from .options import PorosOptions
+
+
+@dataclasses.dataclass
+class Block:
+    index: int
+    name: str  # "embed", "layers.0", "layers.2-3", "head"
+    weights: list[str] = dataclasses.field(default_factory=list)
+    nbytes: int = 0  # base bytes this block loads
+    forward_nodes: int = 0
+    recomputed_nodes: int = 0  # forward nodes the backward reruns
+
+
+@dataclasses.dataclass
+class Load:
+    phase: str  # "forward" | "backward"
+    block: int
+    weight: str
+    nbytes: int
+    issued_before_block: int  # the block whose first op the load now precedes (prefetch distance = block - this)
+    position: int = -1  # node index in the final graph
+
+
+@dataclasses.dataclass
+class Evict:
+    phase: str
+    block: int
+    weight: str
+    after_node: str
+    position: int = -1
+
+
+@dataclasses.dataclass
+class RngSlot:
+    index: int
+    block: int
+    op: str
+    forward_node: str = ""
+    backward_node: str = ""
+
+
+@dataclasses.dataclass
+class Schedule:
+    graph_id: str
+    options: PorosOptions
+    device: torch.device
+    block_size: int
+    prefetch: int
+    stream: bool
+    layer_attr: str = "layers"
+    num_fwd_outputs: int = 0  # joint graph outputs that belong to the forward
+    blocks: list[Block] = dataclasses.field(default_factory=list)
+    host_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # placeholder name -> HostEntry
+    loads: list[Load] = dataclasses.field(default_factory=list)
+    evicts: list[Evict] = dataclasses.field(default_factory=list)
+    rng_slots: list[RngSlot] = dataclasses.field(default_factory=list)
+    saved_boundaries: list[str] = dataclasses.field(default_factory=list)  # forward values the backward keeps
+    runtime: Any = None  # runtime.executor.GraphRuntime of the graph being compiled
+    graphs: dict[str, Any] = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> final GraphModule
+
+    def block_name(self, index: int) -> str:
+        return self.blocks[index].name if 0 <= index < len(self.blocks) else f"block{index}"
+
+    def table(self) -> str:
+        """One line per block: loads per phase, prefetch position, evicts, recompute region, RNG slots."""
+        head = (f"graph {self.graph_id}: stream={self.stream} block_size={self.block_size} prefetch={self.prefetch} "
+                f"device={self.device}\n")
+        cols = ["block", "name", "base_bytes", "fw_loads", "fw_issued_at", "bw_loads", "bw_issued_at", "evicts",
+                "fw_nodes", "recomputed", "rng_slots"]
+        rows = [cols]
+        for b in self.blocks:
+            mine = [ld for ld in self.loads if ld.block == b.index]
+            fw = [ld for ld in mine if ld.phase == "forward"]
+            bw = [ld for ld in mine if ld.phase == "backward"]
+            at = lambda ls: ",".join(sorted({self.block_name(ld.issued_before_block) for ld in ls})) or "-"
+            rng = [str(s.index) for s in self.rng_slots if s.block == b.index]
+            rows.append([str(b.index), b.name, str(b.nbytes), str(len(fw)), at(fw), str(len(bw)), at(bw),
+                         str(sum(e.block == b.index for e in self.evicts)), str(b.forward_nodes),
+                         str(b.recomputed_nodes), _span(rng)])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        tail = f"\nsaved for backward ({len(self.saved_boundaries)}): {', '.join(self.saved_boundaries)}\n"
+        return head + "\n".join(lines) + tail
+
+
+def _span(items: list[str]) -> str:
+    if not items:
+        return "-"
+    return items[0] if len(items) == 1 else f"{items[0]}..{items[-1]} ({len(items)})"

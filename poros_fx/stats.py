@@ -1,0 +1,32 @@
+"""``poros_fx.stats(model)``: what the residency ledger measured, plus the store's sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from .errors import PorosConfigError
+from .prepare import get_store
+
+
+def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
+    """Counters of the model's residency ledger since prepare (or the last ``reset=True`` call).
+
+    Keys: ``peak_resident_base_bytes`` (most base bytes on the compute device at once),
+    ``resident_base_bytes`` (now), ``block_bytes`` (list, per block: embed, layer blocks, head),
+    ``block_names``, ``bytes_loaded``, ``loads``, ``evictions``, ``recomputed_blocks``,
+    ``forward_runs``, ``backward_runs``, ``host_bytes``, ``pinned``, ``block_size``, ``prefetch``, ``device``.
+    """
+    store = get_store(model)
+    if store is None:
+        raise PorosConfigError("model is not prepared; call poros_fx.prepare(model) first")
+    ledger = store.ledger
+    out = dataclasses.asdict(ledger)
+    out["resident_base_bytes"] = out.pop("resident_bytes")
+    out.update(block_bytes=store.block_bytes(), block_names=list(store.block_names), host_bytes=store.host_bytes(),
+               pinned=store.pinned(), block_size=store.block_size, prefetch=store.prefetch, device=str(store.device))
+    if reset:
+        ledger.reset()
+    return out

@@ -1,0 +1,68 @@
+"""Tiny real architectures built from ``transformers`` configs, with a LoRA adapter attached.
+
+Nothing is downloaded: the config is written here, the weights are random-init from a seed. Used by
+the demo (``python -m poros_fx``), the parity example and the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from torch import nn
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+_CONFIGS = {
+    "qwen2": transformers.Qwen2Config,
+    "llama": transformers.LlamaConfig,
+    "mistral": transformers.MistralConfig,
+    "qwen3": transformers.Qwen3Config,
+}
+
+
+def tiny_config(family: str = "qwen2", *, layers: int = 3, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                vocab: int = 256, attn: str = "sdpa") -> transformers.PretrainedConfig:
+    if family not in _CONFIGS:
+        raise ValueError(f"no tiny config for {family!r}; known: {sorted(_CONFIGS)}")
+    kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                  tie_word_embeddings=False)
+    if family == "qwen3":
+        kwargs["head_dim"] = hidden // heads
+    config = _CONFIGS[family](**kwargs)
+    config._attn_implementation = attn
+    return config
+
+
+def tiny_lora_model(family: str = "qwen2", *, dtype: torch.dtype = torch.float32, nf4: bool = False,
+                    dropout: float = 0.1, rank: int = 8, seed: int = 0, **config_kwargs) -> nn.Module:
+    """A random-init causal LM of ``family`` with LoRA on all seven projections (``nf4``: QLoRA base)."""
+    import peft
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **config_kwargs), dtype=dtype)
+    if nf4:
+        from .quantize import quantize_nf4
+
+        quantize_nf4(model, compute_dtype=dtype)
+    torch.manual_seed(seed + 1)
+    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=TARGETS,
+                           init_lora_weights="gaussian")
+    model = peft.get_peft_model(model, lora)
+    # a non-zero B so every adapter weight has a gradient from the first step
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(seed + 2)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * 0.02)
+    return model
+
+
+def demo_batches(count: int, *, vocab: int = 256, seq: int = 32, batch: int = 2, seed: int = 0) -> list[dict]:
+    """``count`` batches of token ids (labels = inputs), the same for every run with the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
