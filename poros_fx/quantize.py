@@ -24,7 +24,7 @@ def quantize_nf4(model: nn.Module, *, layers: str = "model.layers", compute_dtyp
             q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
                                   compute_dtype=compute_dtype, compress_statistics=nested, quant_type="nf4",
                                   device="meta")
-            q.weight = bnb.nn.Params4bit(lin.weight.data.detach().to("cpu"), requires_grad=False,
+            q.weight = bnb.nn.Params4bit(lin.weight.data.detach(), requires_grad=False,
                                          compress_statistics=nested, quant_type="nf4", blocksize=blocksize)
             if lin.bias is not None:
                 q.bias = nn.Parameter(lin.bias.data.detach().clone(), requires_grad=False)

@@ -34,17 +34,36 @@ def tiny_config(family: str = "qwen2", *, layers: int = 3, hidden: int = 64, hea
     return config
 
 
-def tiny_lora_model(family: str = "qwen2", *, dtype: torch.dtype = torch.float32, nf4: bool = False,
-                    dropout: float = 0.1, rank: int = 8, seed: int = 0, **config_kwargs) -> nn.Module:
-    """A random-init causal LM of ``family`` with LoRA on all seven projections (``nf4``: QLoRA base)."""
+def qwen25_config(size: str = "0.5b") -> transformers.PretrainedConfig:
+    """Qwen2.5 shapes (random-init; no hub needed)."""
+    shapes = {  # hidden, intermediate, layers, heads, kv heads, tied embeddings
+        "0.5b": (896, 4864, 24, 14, 2, True),
+        "7b": (3584, 18944, 28, 28, 4, False),
+        "32b": (5120, 27648, 64, 40, 8, False),
+        "72b": (8192, 29568, 80, 64, 8, False),
+    }
+    if size not in shapes:
+        raise ValueError(f"unknown Qwen2.5 size {size!r}; known: {sorted(shapes)}")
+    hidden, inter, layers, heads, kv, tied = shapes[size]
+    config = transformers.Qwen2Config(vocab_size=151936, hidden_size=hidden, intermediate_size=inter,
+                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                                      max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=tied)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def lora_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = torch.float32, nf4: bool = False,
+               dropout: float = 0.1, rank: int = 8, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
+    """A random-init causal LM from ``config`` with LoRA on all seven projections (``nf4``: QLoRA base)."""
     import peft
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **config_kwargs), dtype=dtype)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     if nf4:
         from .quantize import quantize_nf4
 
-        quantize_nf4(model, compute_dtype=dtype)
+        quantize_nf4(model, compute_dtype=dtype, device=device)
     torch.manual_seed(seed + 1)
     lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=TARGETS,
                            init_lora_weights="gaussian")
@@ -56,6 +75,14 @@ def tiny_lora_model(family: str = "qwen2", *, dtype: torch.dtype = torch.float32
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * 0.02)
     return model
+
+
+def tiny_lora_model(family: str = "qwen2", *, dtype: torch.dtype = torch.float32, nf4: bool = False,
+                    dropout: float = 0.1, rank: int = 8, seed: int = 0, device: str | torch.device = "cpu",
+                    **config_kwargs) -> nn.Module:
+    """A tiny random-init causal LM of ``family`` with LoRA on all seven projections."""
+    return lora_model(tiny_config(family, **config_kwargs), dtype=dtype, nf4=nf4, dropout=dropout, rank=rank,
+                      seed=seed, device=device)
 
 
 def demo_batches(count: int, *, vocab: int = 256, seq: int = 32, batch: int = 2, seed: int = 0) -> list[dict]:
