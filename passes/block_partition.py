@@ -91,7 +91,8 @@ def block_partition(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
         n.meta[BLOCK] = previous
         n.meta[FORWARD] = False
 
-    for n in nodes:
+    _unshare_loads(graph)
+    for n in graph.nodes:
         if n.target is LOAD and n.meta.get(FORWARD):
             entry = schedule.host_inputs.get(n.args[0].name)
             block = schedule.blocks[n.meta[BLOCK]]
@@ -99,6 +100,29 @@ def block_partition(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
                 block.weights.append(entry.name)
                 block.nbytes += entry.nbytes
     return gm
+
+
+def _unshare_loads(graph: fx.Graph) -> None:
+    """One load per reading block. A tied embedding / lm_head weight is read by two blocks; a CSE pass
+    run before this one (Dynamo's, AOT's) could merge their two identical loads into one, and shared,
+    the loaded copy would live from the embedding to the head and be saved for the backward. Each block
+    gets its own load, placed before its first reader."""
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for ld in [n for n in graph.nodes if n.target is LOAD]:
+        by_block: dict[int, list[fx.Node]] = {}
+        for user in ld.users:
+            by_block.setdefault(user.meta.get(BLOCK, ld.meta.get(BLOCK)), []).append(user)
+        for block, users in by_block.items():
+            if block == ld.meta.get(BLOCK):
+                continue
+            first = min(users, key=position.__getitem__)
+            with graph.inserting_before(first):
+                copy = graph.call_function(LOAD, ld.args, ld.kwargs)
+            copy.meta = dict(ld.meta)
+            copy.meta[BLOCK] = block
+            copy.meta[FORWARD] = ld.meta.get(FORWARD, False) and any(u.meta.get(FORWARD) for u in users)
+            for user in users:
+                user.replace_input_with(ld, copy)
 
 
 def _layer_block_name(block: int, block_size: int, last_layer: int) -> str:

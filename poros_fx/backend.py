@@ -75,10 +75,14 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         partition = min_cut_rematerialization_partition if schedule.stream else default_partition
         # graph-safe RNG gives each random op a private generator: exact between forward and recompute
         # but not the stream eager draws from. The plain wrappers save and restore the global state.
-        with functorch_config.patch(graphsafe_rng_functionalization=False):
+        # No CSE: it would merge the two loads of a tied embedding / lm_head into one that lives (and is
+        # saved) from the embedding to the head.
+        with functorch_config.patch(graphsafe_rng_functionalization=False, cse=False):
             fw, bw = partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
         fw_out = next(iter(fw.graph.find_nodes(op="output"))).args[0]
-        schedule.saved_boundaries = [str(n) for n in fw_out[num_fwd_outputs:]]
+        # activations the backward keeps (inputs and lifted constants cost nothing extra)
+        schedule.saved_boundaries = [n.name for n in fw_out[num_fwd_outputs:]
+                                     if isinstance(n, fx.Node) and n.op not in ("placeholder", "get_attr")]
         for n in bw.graph.nodes:
             if n.meta.get(FORWARD) and n.op == "call_function":
                 schedule.blocks[n.meta[BLOCK]].recomputed_nodes += 1

@@ -191,7 +191,7 @@ def _move_param(store: HostStore, name: str, param: torch.Tensor, blocks: tuple[
     store.undo.append(undo)
 
 
-_QS_BUFFERS = ("absmax", "code", "offset", "absmax2", "code2")
+_QS_BUFFERS = ("absmax", "offset", "absmax2", "code2")
 
 
 def _is_linear4bit(module: nn.Module) -> bool:
@@ -203,7 +203,8 @@ def _is_linear4bit(module: nn.Module) -> bool:
 
 
 def _quant_state_tensors(qs: Any) -> dict[str, torch.Tensor]:
-    found = {"absmax": qs.absmax, "code": qs.code}
+    """The quant-state tensors NF4/FP4 kernels read (``qs.code``, the 4-bit table, is built into them)."""
+    found = {"absmax": qs.absmax}
     if qs.nested:
         found.update(offset=qs.offset, absmax2=qs.state2.absmax, code2=qs.state2.code)
     return {k: v for k, v in found.items() if isinstance(v, torch.Tensor)}
@@ -232,8 +233,11 @@ def _move_linear4bit(store: HostStore, mod_name: str, module: nn.Module, reader_
         module.register_buffer(f"poros_qs_{key}", buf, persistent=False)
     # the QuantState object now points at the host copies, so nothing of it stays on the device
     _set_quant_state(qs, {k: getattr(module, f"poros_qs_{k}").data for k in _quant_state_tensors(qs)})
+    code_origin = qs.code.device if isinstance(qs.code, torch.Tensor) else None
+    if code_origin is not None:
+        qs.code = qs.code.to("cpu")
 
-    def undo(module=module, qs=qs, params4bit=params4bit, origin=origin):
+    def undo(module=module, qs=qs, params4bit=params4bit, origin=origin, code_origin=code_origin):
         params4bit.data = module._parameters["weight"].data.to(origin)
         module._parameters["weight"] = params4bit
         _set_quant_state(qs, {k: module._buffers[f"poros_qs_{k}"].data.to(origin) for k in _QS_BUFFERS
@@ -241,6 +245,8 @@ def _move_linear4bit(store: HostStore, mod_name: str, module: nn.Module, reader_
         for key in _QS_BUFFERS:
             module._buffers.pop(f"poros_qs_{key}", None)
         module.__dict__.pop("_poros_quant_state", None)
+        if code_origin is not None:
+            qs.code = qs.code.to(code_origin)
 
     store.undo.append(undo)
 
@@ -303,7 +309,7 @@ def _linear4bit_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
                             blocksize=host_qs.state2.blocksize, dtype=host_qs.state2.dtype)
     quant_state = QuantState(
         absmax=ops.load(self.poros_qs_absmax, device), shape=host_qs.shape,
-        code=ops.load(self.poros_qs_code, device), blocksize=host_qs.blocksize, quant_type=host_qs.quant_type,
+        code=None, blocksize=host_qs.blocksize, quant_type=host_qs.quant_type,
         dtype=host_qs.dtype, offset=ops.load(self.poros_qs_offset, device) if host_qs.nested else None, state2=state2)
     packed = ops.load(self._parameters["weight"], device)
     if not self.compute_type_is_set:

@@ -21,12 +21,12 @@ _CONFIGS = {
 
 
 def tiny_config(family: str = "qwen2", *, layers: int = 3, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                vocab: int = 256, attn: str = "sdpa") -> transformers.PretrainedConfig:
+                vocab: int = 256, attn: str = "sdpa", tie_word_embeddings: bool = False) -> transformers.PretrainedConfig:
     if family not in _CONFIGS:
         raise ValueError(f"no tiny config for {family!r}; known: {sorted(_CONFIGS)}")
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                  tie_word_embeddings=False)
+                  tie_word_embeddings=tie_word_embeddings)
     if family == "qwen3":
         kwargs["head_dim"] = hidden // heads
     config = _CONFIGS[family](**kwargs)

@@ -1,0 +1,117 @@
+"""Bad input raises an error that says what to do; prepare/unprepare round trip."""
+
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import poros_fx
+from poros_fx.tiny import demo_batches, tiny_config, tiny_lora_model
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_size=0), "block_size must be an integer >= 1"),
+    (dict(block_size=1.5), "block_size must be an integer >= 1"),
+    (dict(prefetch=-1), "prefetch must be an integer >= 0"),
+    (dict(device="mps"), "device must be 'cpu' or 'cuda'"),
+])
+def test_bad_prepare_options(kwargs, match):
+    with pytest.raises(poros_fx.PorosConfigError, match=match):
+        poros_fx.prepare(tiny_lora_model(layers=1), **kwargs)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"block_size": 0}, "block_size"),
+    ({"prefetch": -2}, "prefetch"),
+    ({"stream": "yes"}, "stream must be True or False"),
+    ({"blocksize": 2}, "unknown poros option"),
+])
+def test_bad_backend_options(options, match):
+    model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
+    step_model = torch.compile(model, backend="poros", options=options)
+    with pytest.raises(Exception, match=match):
+        step_model(**demo_batches(1)[0], use_cache=False)
+
+
+def test_no_trainable_parameters():
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(layers=1))
+    model.requires_grad_(False)
+    with pytest.raises(poros_fx.PorosConfigError, match="attach an adapter first"):
+        poros_fx.prepare(model)
+
+
+def test_unvalidated_architecture_names_validated_families():
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(poros_fx.UnsupportedArchitectureError) as err:
+        poros_fx.prepare(model)
+    for family in ("qwen2", "llama", "mistral", "qwen3"):
+        assert family in str(err.value)
+    assert "user_asserted" in str(err.value)
+
+
+def test_user_asserted_family_without_blocks():
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(poros_fx.NoBlocksError, match="found no decoder layers"):
+        poros_fx.prepare(model, family=poros_fx.user_asserted("gpt2", layers="model.layers"))
+
+
+def test_user_asserted_family_streams():
+    """GPT-2 keeps its blocks at transformer.h; registered by the user it streams like a validated family."""
+    import peft
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, attn_pdrop=0, resid_pdrop=0,
+                                     embd_pdrop=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    family = poros_fx.user_asserted("gpt2", layers="transformer.h", embed="transformer.wte", norm="transformer.ln_f")
+    poros_fx.prepare(model, device="cpu", family=family)
+    ids = torch.randint(0, 64, (1, 8))
+    torch.compile(model, backend="poros")(input_ids=ids, labels=ids).loss.backward()
+    assert poros_fx.stats(model)["recomputed_blocks"] == 3
+
+
+def test_prepare_twice_and_compile_first():
+    model = tiny_lora_model(layers=1)
+    poros_fx.prepare(model)
+    with pytest.raises(poros_fx.PorosConfigError, match="already prepared"):
+        poros_fx.prepare(model)
+    with pytest.raises(poros_fx.PorosConfigError, match="before torch.compile"):
+        poros_fx.prepare(torch.compile(tiny_lora_model(layers=1), backend="poros"))
+
+
+def test_unprepare_round_trip_dense_and_nf4():
+    for nf4 in (False, True):
+        model = tiny_lora_model(layers=2, nf4=nf4)
+        before = {n: (type(m), ) for n, m in model.named_modules()}
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        poros_fx.prepare(model, device="cpu")
+        assert poros_fx.stats(model)["host_bytes"] > 0
+        poros_fx.unprepare(model)
+        assert {n: (type(m), ) for n, m in model.named_modules()} == before
+        after = model.state_dict()
+        assert state.keys() == after.keys()
+        assert all(torch.equal(state[k], after[k]) for k in state)
+        with pytest.raises(poros_fx.PorosConfigError, match="not prepared"):
+            poros_fx.unprepare(model)
+        # it trains resident again, like a model that was never prepared
+        model(**demo_batches(1)[0], use_cache=False).loss.backward()
+
+
+def test_unprepared_model_warns_and_runs_with_block_recompute():
+    model = tiny_lora_model(layers=2)
+    reference = tiny_lora_model(layers=2)
+    batch = demo_batches(1)[0]
+    with pytest.warns(UserWarning, match="was not prepared"):
+        loss = torch.compile(model, backend="poros")(**batch, use_cache=False).loss
+    torch.manual_seed(0)
+    loss.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch._dynamo.reset()
+    assert loss.requires_grad
+    with pytest.raises(poros_fx.PorosConfigError, match="not prepared"):
+        poros_fx.stats(model)

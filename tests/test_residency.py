@@ -1,0 +1,110 @@
+"""Residency: what the ledger measured, and the structure of the partitioned graphs."""
+
+import pytest
+import torch
+
+import poros_fx
+from poros_fx.runtime.executor import GraphRuntime
+from poros_fx.passes.residency import aliases
+from poros_fx.tiny import demo_batches, tiny_lora_model
+
+
+def step(model, step_model, micro_batches):
+    for batch in micro_batches:
+        step_model(**batch, use_cache=False).loss.backward()
+
+
+@pytest.mark.parametrize("block_size,prefetch", [(1, 0), (1, 1), (2, 0), (2, 1), (1, 2)])
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+def test_peak_and_loads(block_size, prefetch, nf4):
+    model = tiny_lora_model("qwen2", layers=4, nf4=nf4)
+    poros_fx.prepare(model, device="cpu", block_size=block_size, prefetch=prefetch)
+    step_model = torch.compile(model, backend="poros")
+    step(model, step_model, demo_batches(1))  # compile
+    poros_fx.stats(model, reset=True)
+    micro = 3
+    step(model, step_model, demo_batches(micro, seed=1))
+    s = poros_fx.stats(model)
+    blocks = s["block_bytes"]
+    assert s["block_names"][0] == "embed" and s["block_names"][-1] == "head"
+    assert len(blocks) == 2 + 4 // block_size
+    assert s["resident_base_bytes"] == 0, "everything loaded was evicted"
+    assert 0 < s["peak_resident_base_bytes"] <= (1 + prefetch) * max(blocks)
+    # every decoder-layer and head weight twice per micro-batch (forward, recompute); the embedding once,
+    # since nothing in the backward reads it
+    assert s["bytes_loaded"] == micro * (2 * sum(blocks) - blocks[0])
+    assert s["recomputed_blocks"] == micro * (len(blocks) - 1)
+    assert s["forward_runs"] == s["backward_runs"] == micro
+
+
+def test_peak_grows_with_prefetch():
+    peaks = []
+    for prefetch in (0, 1):
+        torch._dynamo.reset()
+        model = tiny_lora_model("llama", layers=4)
+        poros_fx.prepare(model, device="cpu", prefetch=prefetch)
+        step(model, torch.compile(model, backend="poros"), demo_batches(1))
+        peaks.append(poros_fx.stats(model)["peak_resident_base_bytes"])
+    assert peaks[1] > peaks[0]
+
+
+def test_stream_false_keeps_base_resident():
+    model = tiny_lora_model("qwen2", layers=2)
+    poros_fx.prepare(model, device="cpu")
+    step_model = torch.compile(model, backend="poros", options={"stream": False})
+    step(model, step_model, demo_batches(2))
+    s = poros_fx.stats(model)
+    assert s["peak_resident_base_bytes"] == s["resident_base_bytes"] == s["host_bytes"]
+    assert s["recomputed_blocks"] == 0 and s["evictions"] == 0
+    assert s["loads"] == len(poros_fx.prepare.__globals__["get_store"](model).entries)  # each tensor once
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+def test_no_base_copy_crosses_to_backward(nf4):
+    """Structural: no value the forward saves for the backward is a loaded base tensor or a view of one,
+    and the backward graph loads every layer block again itself."""
+    model = tiny_lora_model("qwen2", layers=3, nf4=nf4)
+    poros_fx.prepare(model, device="cpu")
+    step(model, torch.compile(model, backend="poros"), demo_batches(1))
+    store = poros_fx.prepare.__globals__["get_store"](model)
+    (schedule,) = store.schedules
+    fw, bw = schedule.graphs["forward"], schedule.graphs["backward"]
+    loads = [n for n in fw.graph.nodes if n.op == "call_function" and getattr(n.target, "__func__", None) is GraphRuntime.load]
+    assert loads, "the forward graph loads the base"
+    loaded = {a for ld in loads for a in aliases(ld)}
+    output = next(iter(fw.graph.find_nodes(op="output")))
+    saved = [a for a in output.args[0] if hasattr(a, "op")]
+    assert not loaded & set(saved)
+    bw_blocks = {n.args[2] for n in bw.graph.nodes if n.op == "call_function"
+                 and getattr(n.target, "__func__", None) is GraphRuntime.load}
+    assert bw_blocks == set(range(1, len(schedule.blocks)))  # every layer block and the head, not the embedding
+    # besides the RNG states of the dropouts, the backward keeps one hidden state per block boundary
+    # (plus the rotary tables), never block interiors
+    fw_nodes = {n.name: n for n in fw.graph.nodes}
+    rng_states = {n for n in schedule.saved_boundaries if fw_nodes[n].args and fw_nodes[n].args[0].name.startswith("run_and_save")}
+    assert len(rng_states) == len(schedule.rng_slots) >= 3 * 7  # 7 LoRA dropouts a layer, + SDPA (dropout_p=0)
+    assert len(set(schedule.saved_boundaries) - rng_states) <= len(schedule.blocks) + 2
+
+
+def test_inference_streams_without_backward():
+    model = tiny_lora_model("qwen2", layers=2)
+    poros_fx.prepare(model, device="cpu", prefetch=0)
+    step_model = torch.compile(model, backend="poros")
+    with torch.no_grad():
+        step_model(**demo_batches(1)[0], use_cache=False)
+    s = poros_fx.stats(model)
+    assert s["resident_base_bytes"] == 0 and s["bytes_loaded"] == sum(s["block_bytes"])
+
+
+def test_tied_embedding_is_loaded_per_block():
+    """Qwen2.5-0.5B ties lm_head to the embedding: each block loads its own copy, none is kept between."""
+    model = tiny_lora_model("qwen2", layers=2, tie_word_embeddings=True)
+    lm = model.get_base_model()
+    assert lm.lm_head.weight is lm.model.embed_tokens.weight
+    poros_fx.prepare(model, device="cpu", prefetch=0)
+    step(model, torch.compile(model, backend="poros"), demo_batches(1))
+    s = poros_fx.stats(model)
+    assert s["resident_base_bytes"] == 0
+    assert s["peak_resident_base_bytes"] <= max(s["block_bytes"])
+    assert s["block_bytes"][0] == lm.model.embed_tokens.weight.nbytes
+    assert s["bytes_loaded"] == 2 * sum(s["block_bytes"]) - s["block_bytes"][0]
