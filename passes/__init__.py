@@ -3,6 +3,8 @@
 A pass is ``(graph_module, schedule) -> graph_module``. The backend runs ``JOINT_PASSES`` on the
 joint forward+backward graph, partitions it (min-cut with the recompute tags when streaming, the
 default partition otherwise), then runs ``GRAPH_PASSES`` on the forward and on the backward graph.
+An inference graph (no grad: AOTAutograd compiles a forward only, with no joint graph) first goes
+through ``INFERENCE_PASSES``.
 After every pass the dump hook (``poros_fx.dump``) writes the graph when dumping is on.
 """
 
@@ -15,6 +17,7 @@ from .residency import residency
 from .rng import rng
 
 JOINT_PASSES = (block_partition, recompute)
+INFERENCE_PASSES = (block_partition,)
 GRAPH_PASSES = (rng, prefetch, residency)
 
-__all__ = ["GRAPH_PASSES", "JOINT_PASSES", "block_partition", "prefetch", "recompute", "residency", "rng"]
+__all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "block_partition", "prefetch", "recompute", "residency", "rng"]

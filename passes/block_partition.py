@@ -22,7 +22,6 @@ import re
 
 import torch.fx as fx
 
-from poros_fx.errors import NoBlocksError
 from poros_fx.ops import LOAD
 from poros_fx.schedule import Block, Schedule
 
@@ -61,9 +60,13 @@ def block_partition(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     layer_of = {n: _layer_of(n.meta.get("nn_module_stack"), pattern) for n in nodes if n in fwd}
     layers = sorted({v for v in layer_of.values() if v is not None})
     if not layers:
-        raise NoBlocksError(f"no node of the captured graph runs inside a decoder layer ('.{schedule.layer_attr}.N' in "
-                            "its module path): poros-fx has nothing to stream. Is the model's forward compiled "
-                            "(torch.compile(model, ...)) rather than a function that bypasses its layers?")
+        # a piece of the step with no decoder layer (Dynamo split the step at a graph break): one block
+        schedule.blocks = [Block(index=0, name="no-layers")]
+        for n in nodes:
+            n.meta[BLOCK] = 0
+            n.meta[FORWARD] = n in fwd
+            schedule.blocks[0].forward_nodes += n in fwd
+        return gm
     num_layer_blocks = max(layers) // schedule.block_size + 1
     head = num_layer_blocks + 1
     names = ["embed"] + [_layer_block_name(i, schedule.block_size, max(layers)) for i in range(num_layer_blocks)] + ["head"]

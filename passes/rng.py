@@ -29,7 +29,7 @@ from torch._prims.rng_prims import graphsafe_run_with_rng_state, run_and_save_rn
 from poros_fx.errors import PorosExactnessError
 from poros_fx.schedule import RngSlot, Schedule
 
-from .block_partition import BLOCK
+from .block_partition import BLOCK, FORWARD
 
 PHASE = "poros_phase"
 
@@ -71,7 +71,9 @@ def rng(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
             slot = states.index(n.args[0])
             if slot < len(schedule.rng_slots):
                 schedule.rng_slots[slot].backward_node = n.name
-    fresh = [n.name for n in wrappers if _is_random(n)]
+    # a backward op with the tag (e.g. an SDPA backward) replays the philox seed its forward saved;
+    # what must not happen is a *recomputed forward* random op running unwrapped
+    fresh = [n.name for n in wrappers if _is_random(n) and n.meta.get(FORWARD)]
     if fresh:
         raise PorosExactnessError(f"the backward graph reruns random op(s) {fresh} without the forward's RNG state; "
                                   "their masks would differ from the forward's. This configuration cannot be exact.")

@@ -20,7 +20,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.fx.graph import _BoxedCodeGen
 
-from .passes import GRAPH_PASSES, JOINT_PASSES
+from .passes import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES
 from .passes.block_partition import BLOCK, FORWARD
 from .passes.rng import PHASE
 
@@ -92,6 +92,11 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         def compile_graph(graph: fx.GraphModule, _inputs: Any) -> Callable:
             graph.meta[PHASE] = phase
             schedule.runtime = GraphRuntime(store, schedule.stream, phase)
+            if not schedule.blocks:  # an inference graph: no joint graph went through the partitioner
+                schedule.num_fwd_outputs = len(next(iter(graph.graph.find_nodes(op="output"))).args[0])
+                for inference_pass in INFERENCE_PASSES:
+                    graph = inference_pass(graph, schedule)
+                    dumper.graph(graph, f"{phase}_{inference_pass.__name__}")
             for graph_pass in GRAPH_PASSES:
                 graph = graph_pass(graph, schedule)
                 dumper.graph(graph, f"{phase}_{graph_pass.__name__}")

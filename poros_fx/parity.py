@@ -74,4 +74,4 @@ def compare(a: Trace, b: Trace) -> dict[str, float]:
 
 
 def format_diffs(label: str, diffs: dict[str, float]) -> str:
-    return f"{label:<28}" + "  ".join(f"{k}={v:.2e}" for k, v in diffs.items())
+    return f"{label:<28} " + "  ".join(f"{k}={v:.2e}" for k, v in diffs.items())

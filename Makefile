@@ -1,0 +1,26 @@
+# The README's two commands: `make demo` (the main job) and `make test` (the CPU suite).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test test-gpu clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[dev]"
+
+setup: $(BIN)/python
+
+demo: setup
+	$(BIN)/python -m poros_fx
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-gpu: setup
+	$(BIN)/python -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) .ci-venv poros-demo-adapter
