@@ -12,6 +12,7 @@ streamed != stream=False on any surface.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(mode: str) -> tuple:
         torch._dynamo.reset()
+        gc.collect()  # the previous run's model sits in reference cycles; free it before measuring this one
+        leftover = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         model = lora_model(config, dtype=dtype, nf4=args.nf4, dropout=args.dropout, device=device)
         step_model = model
         if mode != "eager":
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize()
             info.update(peak_gb=round(torch.cuda.max_memory_allocated() / 1e9, 3),
-                        model_resident_gb=round(base / 1e9, 3))
+                        model_resident_gb=round(base / 1e9, 3), leftover_before_build_gb=round(leftover / 1e9, 3))
         if mode != "eager":
             s = poros_fx.stats(model)
             info.update(peak_resident_base_bytes=s["peak_resident_base_bytes"], loads=s["loads"],
