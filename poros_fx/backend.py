@@ -44,6 +44,17 @@ def _find_store(example_inputs: list[Any]) -> HostStore | None:
     return None
 
 
+def _check_host_inputs(graph: fx.GraphModule, schedule: Schedule) -> None:
+    """Joint placeholders ``primals_i`` are Dynamo's inputs in order; a host tensor's placeholder must
+    have its shape, or the names in the schedule (and the dumps) would point at the wrong weights."""
+    placeholders = {n.name: n for n in graph.graph.find_nodes(op="placeholder")}
+    for name, entry in schedule.host_inputs.items():
+        val = placeholders[name].meta.get("val") if name in placeholders else None
+        if val is None or tuple(val.shape) != tuple(entry.host.shape):
+            raise AssertionError(f"poros backend: joint input {name} is not the host tensor {entry.name}; "
+                                 "AOTAutograd's input order changed (please report this with your torch version)")
+
+
 def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """The backend. ``options``: ``block_size``, ``prefetch``, ``stream``, ``dump`` (see ``PorosOptions``)."""
     opts = PorosOptions.from_dict(options)
@@ -68,6 +79,7 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
 
     def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
         schedule.num_fwd_outputs = num_fwd_outputs
+        _check_host_inputs(joint, schedule)
         dumper.graph(joint, "joint")
         for joint_pass in JOINT_PASSES:
             joint = joint_pass(joint, schedule)
