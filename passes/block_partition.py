@@ -2,8 +2,8 @@
 
 Forward nodes are placed by the decoder layer in their ``nn_module_stack``; nodes outside any layer
 belong to ``embed`` when they run before the first layer and to ``head`` after the last one. Backward
-nodes are placed by ``fwd_nn_module_stack`` the same way; those without it (gradient accumulation,
-RNG wrappers) take the block of the nearest preceding backward node.
+nodes are placed by ``fwd_nn_module_stack`` the same way; those without it (getitems, gradient
+accumulation) take the block of their first input that has one, else of the preceding backward node.
 
 Before (joint graph, two layers, block_size=1)::
 
@@ -91,7 +91,9 @@ def block_partition(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
         layer = _layer_of(n.meta.get("fwd_nn_module_stack"), pattern)
         if layer is not None:
             previous = 1 + layer // schedule.block_size
-        n.meta[BLOCK] = previous
+            n.meta[BLOCK] = previous
+        else:  # getitems, detaches, accumulation adds: the block of what they read
+            n.meta[BLOCK] = next((i.meta[BLOCK] for i in n.all_input_nodes if BLOCK in i.meta), previous)
         n.meta[FORWARD] = False
 
     _unshare_loads(graph)

@@ -112,8 +112,8 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
             for graph_pass in GRAPH_PASSES:
                 graph = graph_pass(graph, schedule)
                 dumper.graph(graph, f"{phase}_{graph_pass.__name__}")
-            dumper.schedule(schedule)
             schedule.graphs[phase] = graph
+            dumper.schedule(schedule)
             graph.graph.set_codegen(_BoxedCodeGen())
             graph.recompile()
             return schedule.runtime.wrap(graph)

@@ -2,12 +2,14 @@
 
 With ``options={"dump": folder}`` or ``POROS_FX_DUMP=folder`` each compiled graph gets a folder
 ``graph_N`` holding ``00_joint.py`` (the captured joint graph), ``NN_<phase>_<pass>.py`` after every
-pass (readable Python, devices shown) and ``schedule.txt`` (the schedule table).
+pass (readable Python, devices shown), ``schedule.txt`` (the schedule table) and ``timeline.png``
+(blocks over the step: compute, recompute, loads, evicts; predicted memory with its peak).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch.fx as fx
@@ -40,9 +42,17 @@ class Dumper:
         self.count += 1
 
     def schedule(self, schedule: Schedule) -> None:
+        """The schedule table and, once the graphs exist, the timeline picture (``timeline.png``)."""
         if self.folder is None:
             return
         (self.folder / "schedule.txt").write_text(schedule.table())
+        if schedule.graphs:
+            from .timeline import render
+
+            try:
+                render(schedule, self.folder / "timeline.png")
+            except Exception as err:  # a picture must never stop a training run
+                warnings.warn(f"poros dump: timeline picture not written ({type(err).__name__}: {err})")
 
     def __repr__(self) -> str:
         return f"Dumper({os.fspath(self.folder) if self.folder else None})"

@@ -44,6 +44,27 @@ def test_dump_writes_graphs_and_schedule(tmp_path):
     assert "cpu" in backward  # devices shown
     table = (folder / "schedule.txt").read_text()
     assert "layers.0-1" in table and "head" in table and "rng_slots" in table
+    assert (folder / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeline_data_follows_the_schedule():
+    from poros_fx.prepare import get_store
+    from poros_fx.timeline import build
+
+    model = tiny_lora_model("qwen2", layers=3)
+    poros_fx.prepare(model, device="cpu", prefetch=1)
+    torch.compile(model, backend="poros")(**demo_batches(1)[0], use_cache=False).loss.backward()
+    (schedule,) = get_store(model).schedules
+    tl = build(schedule)
+    assert len(tl.loads) == poros_fx.stats(model)["loads"]  # one step: every load the ledger saw is drawn
+    assert len(tl.evicts) == poros_fx.stats(model)["evictions"]
+    assert min(tl.memory) >= 0
+    assert tl.peak[1] == max(tl.memory) > 0
+    kinds = {k for _, k, _, _ in tl.spans}
+    assert kinds == {"forward", "recompute", "backward"}
+    # in the backward, layer blocks are recomputed in reverse order
+    starts = {b: s for b, k, s, _ in sorted(tl.spans, key=lambda x: -x[2]) if k == "recompute"}
+    assert starts[3] < starts[2] < starts[1]
 
 
 def test_dump_from_environment(tmp_path, monkeypatch):
