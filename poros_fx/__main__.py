@@ -18,6 +18,7 @@ import time
 import torch
 
 from . import prepare, stats
+from .families import VALIDATED
 from .parity import SURFACES, compare, format_diffs, train
 from .tiny import demo_batches, tiny_lora_model
 
@@ -25,7 +26,7 @@ from .tiny import demo_batches, tiny_lora_model
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m poros_fx", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--family", default="qwen2", choices=["qwen2", "llama", "mistral", "qwen3"])
+    ap.add_argument("--family", default="qwen2", choices=sorted(VALIDATED))
     ap.add_argument("--nf4", action="store_true", help="quantize the base to bitsandbytes NF4 (QLoRA)")
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)

@@ -35,13 +35,17 @@ class Family:
         return self.layers.rsplit(".", 1)[-1]
 
 
-def _validated(model_type: str) -> Family:
-    return Family(model_type=model_type, test="tests/test_parity.py")
+def _validated(model_type: str, test: str = "tests/test_parity.py") -> Family:
+    return Family(model_type=model_type, test=test)
 
 
-VALIDATED: types.MappingProxyType[str, Family] = types.MappingProxyType(
-    {f.model_type: f for f in (_validated("qwen2"), _validated("llama"), _validated("mistral"), _validated("qwen3"))}
-)
+VALIDATED: types.MappingProxyType[str, Family] = types.MappingProxyType({f.model_type: f for f in (
+    _validated("qwen2"), _validated("llama"), _validated("mistral"), _validated("qwen3"),
+    # Gemma 3 text (Gemma3ForCausalLM: scaled embedding, sliding + full attention, four norms per layer)
+    _validated("gemma3_text", "tests/test_families.py"),
+    # Phi-3 (fused qkv_proj / gate_up_proj; LoRA targets those)
+    _validated("phi3", "tests/test_families.py"),
+)})
 
 
 def user_asserted(model_type: str, *, layers: str = "model.layers", embed: str = "model.embed_tokens",

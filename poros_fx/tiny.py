@@ -6,18 +6,36 @@ the demo (``python -m poros_fx``), the parity example and the tests.
 
 from __future__ import annotations
 
+import types
+
 import torch
 import transformers
 from torch import nn
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3 fuses q/k/v into one projection and gate/up into another
+FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
-_CONFIGS = {
+# LoRA on every linear of a decoder layer, per model_type
+FAMILY_TARGETS: types.MappingProxyType[str, tuple[str, ...]] = types.MappingProxyType({
+    "qwen2": TARGETS, "llama": TARGETS, "mistral": TARGETS, "qwen3": TARGETS, "gemma3_text": TARGETS,
+    "phi3": FUSED_TARGETS,
+})
+
+_CONFIGS: types.MappingProxyType[str, type] = types.MappingProxyType({
     "qwen2": transformers.Qwen2Config,
     "llama": transformers.LlamaConfig,
     "mistral": transformers.MistralConfig,
     "qwen3": transformers.Qwen3Config,
-}
+    "gemma3_text": transformers.Gemma3TextConfig,
+    "phi3": transformers.Phi3Config,
+})
+
+
+def lora_targets(model_type: str) -> list[str]:
+    """The LoRA target modules for ``model_type``: all linears of a decoder layer (the seven
+    projections, or Phi-3's four fused ones)."""
+    return list(FAMILY_TARGETS.get(model_type, TARGETS))
 
 
 def tiny_config(family: str = "qwen2", *, layers: int = 3, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
@@ -27,8 +45,15 @@ def tiny_config(family: str = "qwen2", *, layers: int = 3, hidden: int = 64, hea
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                   tie_word_embeddings=tie_word_embeddings)
-    if family == "qwen3":
+    if family in ("qwen3", "gemma3_text"):
         kwargs["head_dim"] = hidden // heads
+    if family == "gemma3_text":
+        # both attention kinds, and a window shorter than the test sequences so the sliding mask matters
+        kwargs.update(sliding_window=8, layer_types=[("full_attention" if i % 2 else "sliding_attention")
+                                                     for i in range(layers)])
+    if family == "phi3":
+        # Phi3Config's default special tokens (32000) lie outside a tiny vocabulary
+        kwargs.update(pad_token_id=None, bos_token_id=1, eos_token_id=2)
     config = _CONFIGS[family](**kwargs)
     config._attn_implementation = attn
     return config
@@ -54,7 +79,7 @@ def qwen25_config(size: str = "0.5b") -> transformers.PretrainedConfig:
 
 def lora_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = torch.float32, nf4: bool = False,
                dropout: float = 0.1, rank: int = 8, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
-    """A random-init causal LM from ``config`` with LoRA on all seven projections (``nf4``: QLoRA base)."""
+    """A random-init causal LM from ``config`` with LoRA on every decoder-layer linear (``nf4``: QLoRA base)."""
     import peft
 
     torch.manual_seed(seed)
@@ -65,7 +90,7 @@ def lora_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = to
 
         quantize_nf4(model, compute_dtype=dtype, device=device)
     torch.manual_seed(seed + 1)
-    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=TARGETS,
+    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=lora_targets(config.model_type),
                            init_lora_weights="gaussian")
     model = peft.get_peft_model(model, lora)
     # a non-zero B so every adapter weight has a gradient from the first step
@@ -80,7 +105,7 @@ def lora_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = to
 def tiny_lora_model(family: str = "qwen2", *, dtype: torch.dtype = torch.float32, nf4: bool = False,
                     dropout: float = 0.1, rank: int = 8, seed: int = 0, device: str | torch.device = "cpu",
                     **config_kwargs) -> nn.Module:
-    """A tiny random-init causal LM of ``family`` with LoRA on all seven projections."""
+    """A tiny random-init causal LM of ``family`` with LoRA on every decoder-layer linear."""
     return lora_model(tiny_config(family, **config_kwargs), dtype=dtype, nf4=nf4, dropout=dropout, rank=rank,
                       seed=seed, device=device)
 
