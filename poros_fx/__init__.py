@@ -4,11 +4,13 @@ from . import ops  # registers poros::load
 from .errors import NoBlocksError, PorosConfigError, PorosError, PorosExactnessError, UnsupportedArchitectureError
 from .families import VALIDATED, Family, user_asserted
 from .prepare import prepare, unprepare
+from .loader import LoaderError, LoadReport, from_config, load_pretrained, load_report
 from .stats import stats
+from .step import PorosStep, step
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "VALIDATED", "Family", "NoBlocksError", "PorosConfigError", "PorosError", "PorosExactnessError",
-    "UnsupportedArchitectureError", "ops", "prepare", "stats", "unprepare", "user_asserted",
+    "VALIDATED", "Family", "LoadReport", "LoaderError", "from_config", "load_pretrained", "load_report", "NoBlocksError", "PorosConfigError", "PorosError", "PorosExactnessError",
+    "PorosStep", "UnsupportedArchitectureError", "ops", "prepare", "stats", "step", "unprepare", "user_asserted",
 ]

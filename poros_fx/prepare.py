@@ -16,7 +16,7 @@ same parameter names, same adapter), with two changes:
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -74,6 +74,22 @@ def block_names(num_layers: int, block_size: int) -> list[str]:
     return names + ["head"]
 
 
+def module_blocks(family: Family, num_layers: int, block_size: int) -> Callable[[str], int]:
+    """``module name -> block index`` (0 embed, 1.. layer blocks, last head) for a causal LM's modules."""
+    head = len(block_names(num_layers, block_size)) - 1
+    layer_re = re.compile(rf"^{re.escape(family.layers)}\.(\d+)(\.|$)")
+
+    def block_of(module_name: str) -> int:
+        m = layer_re.match(module_name)
+        if m:
+            return 1 + int(m.group(1)) // block_size
+        if module_name == family.embed or module_name.startswith(family.embed + "."):
+            return 0
+        return head  # final norm, lm_head, anything after the layers
+
+    return block_of
+
+
 def prepare(model: nn.Module, device: str | torch.device | None = None, block_size: int = 1, prefetch: int = 1,
             *, family: Family | None = None) -> nn.Module:
     """Move the frozen base of ``model`` into a host store; returns ``model`` (changed in place).
@@ -104,16 +120,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
 
     names = block_names(len(layers), block_size)
     store = HostStore(device=device, block_size=block_size, prefetch=prefetch, family=fam, block_names=names)
-    head = len(names) - 1
-    layer_re = re.compile(rf"^{re.escape(fam.layers)}\.(\d+)(\.|$)")
-
-    def block_of(module_name: str) -> int:
-        m = layer_re.match(module_name)
-        if m:
-            return 1 + int(m.group(1)) // block_size
-        if module_name == fam.embed or module_name.startswith(fam.embed + "."):
-            return 0
-        return head  # final norm, lm_head, anything after the layers
+    block_of = module_blocks(fam, len(layers), block_size)
 
     reader_blocks: dict[int, set[int]] = {}
     owners: list[tuple[str, nn.Module, list[str]]] = []
@@ -159,6 +166,7 @@ def unprepare(model: nn.Module) -> nn.Module:
     for undo in reversed(store.undo):
         undo()
     store.resident_cache.clear()
+    model.__dict__.pop("_poros_step_wrappers", None)  # @poros_fx.step's compiled wrappers of this model
     for holder in {id(model): model, id(causal_lm(model)): causal_lm(model)}.values():
         if hasattr(holder, STORE_ATTR):
             delattr(holder, STORE_ATTR)
