@@ -1,6 +1,5 @@
 """The README's main job, the adapter it writes, and the graph dumps."""
 
-import pytest
 import torch
 
 import poros_fx

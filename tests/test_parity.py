@@ -72,3 +72,36 @@ def test_compare_detects_a_difference():
     b.weights[-1][0] = b.weights[-1][0].clone()
     b.weights[-1][0].view(-1)[0] = torch.nextafter(b.weights[-1][0].view(-1)[0], torch.tensor(1.0))
     assert compare(a, b)["weights"] > 0
+
+
+def test_peft_bnb_lora_layer_is_exact():
+    """A model loaded with BitsAndBytesConfig gets peft's lora.bnb.Linear4bit wrapper (not lora.Linear):
+    streamed == stream=False == eager with it too."""
+    import peft
+    import transformers
+
+    from poros_fx.quantize import quantize_nf4
+    from poros_fx.tiny import TARGETS, tiny_config
+
+    def build():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2", layers=2), dtype=torch.float32)
+        quantize_nf4(model, compute_dtype=torch.float32)
+        model.is_loaded_in_4bit = True  # what from_pretrained(quantization_config=...) sets
+        torch.manual_seed(1)
+        return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1,
+                                                          target_modules=list(TARGETS)))
+
+    batches = demo_batches(12, vocab=256, seq=24, batch=2, seed=7)
+    traces = {}
+    for mode in ("stream", "resident", "eager"):
+        torch._dynamo.reset()
+        model = build()
+        assert type(model.get_base_model().model.layers[0].self_attn.q_proj).__module__ == "peft.tuners.lora.bnb"
+        step_model = model
+        if mode != "eager":
+            poros_fx.prepare(model, device="cpu")
+            step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
+        traces[mode] = train(model, step_model, batches, accumulate=2)
+    assert compare(traces["stream"], traces["resident"]) == ZERO
+    assert compare(traces["stream"], traces["eager"]) == ZERO

@@ -1,0 +1,74 @@
+"""The CLI through its real entry point (the installed ``poros-fx`` script)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import poros_fx
+from poros_fx.sizes import block_bytes, nf4_bytes
+from poros_fx.tiny import tiny_config, tiny_lora_model
+
+SCRIPT = Path(sys.executable).parent / "poros-fx"
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    assert SCRIPT.exists(), "poros-fx is not installed in this environment (pip install -e .)"
+    res = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=600,
+                         env={"COLUMNS": "200", "PATH": str(SCRIPT.parent), "HF_HUB_OFFLINE": "1"})
+    if check:
+        assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
+def test_doctor():
+    out = cli("doctor").stdout
+    assert torch.__version__ in out and "bitsandbytes" in out
+    assert "resolves (entry point torch_dynamo_backends)" in out
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in out
+
+
+def test_check_builtin_and_config_file(tmp_path):
+    out = cli("check", "qwen2.5-32b").stdout
+    assert "qwen2 (validated)" in out and "layers.63" in out and "66 blocks" in out
+    config = tiny_config("llama", layers=3, tie_word_embeddings=True)
+    config.save_pretrained(tmp_path)
+    out = cli("check", str(tmp_path / "config.json"), "--quantization", "bf16", "--block-size", "2").stdout
+    assert "llama (validated)" in out and "layers.0-1" in out and "layers.2" in out
+
+
+def test_check_unknown_model_and_family(tmp_path):
+    res = cli("check", "no/such-model-anywhere", check=False)
+    assert res.returncode != 0 and "downloads nothing" in res.stdout + res.stderr
+    import transformers
+
+    transformers.GPT2Config(n_layer=1).save_pretrained(tmp_path)
+    res = cli("check", str(tmp_path), check=False)
+    assert res.returncode == 2 and "not a validated poros-fx family" in res.stdout
+
+
+@pytest.mark.parametrize("quantization", ["bf16", "nf4"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_sizes_match_the_host_store(quantization, tied):
+    """check's bytes per block, from the config alone, are the bytes prepare's store holds per block."""
+    config = tiny_config("qwen2", layers=3, tie_word_embeddings=tied)
+    model = tiny_lora_model("qwen2", layers=3, nf4=quantization == "nf4", dtype=torch.bfloat16,
+                            tie_word_embeddings=tied)
+    poros_fx.prepare(model, device="cpu", block_size=2)
+    names, sizes = block_bytes(config, quantization, block_size=2)
+    stats = poros_fx.stats(model)
+    assert names == stats["block_names"] and sizes == stats["block_bytes"]
+
+
+def test_nf4_bytes_formula():
+    assert nf4_bytes(64 * 256) == 64 * 128 + 256 + 4 + 1024 + 4
+
+
+def test_dump_without_training(tmp_path):
+    out = cli("dump", "qwen2.5-0.5b", "--layers", "1", "--seq", "16", "--device", "cpu", "--out", str(tmp_path)).stdout
+    folder = next(tmp_path.iterdir())
+    assert (folder / "timeline.png").exists() and (folder / "schedule.txt").exists()
+    assert "layers.0" in out and "head" in out
