@@ -27,12 +27,22 @@ class Trace:
 SURFACES = ("loss", "weights", "grad_norms", "optimizer")
 
 
+def adamw(model: nn.Module, lr: float = 1e-3) -> torch.optim.AdamW:
+    """The optimizer ``train`` uses: AdamW over the trainable (adapter) parameters."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.01)
+
+
 def train(model: nn.Module, step_model: Callable, batches: Sequence[dict], *, accumulate: int = 1, lr: float = 1e-3,
-          seed: int = 1234) -> Trace:
-    """``len(batches) // accumulate`` AdamW steps; ``step_model`` is ``model`` or its compiled form."""
+          seed: int | None = 1234, optimizer: torch.optim.Optimizer | None = None) -> Trace:
+    """``len(batches) // accumulate`` AdamW steps; ``step_model`` is ``model`` or its compiled form.
+
+    ``seed`` seeds the global generator the dropout masks come from (``None``: leave it as it is, to
+    continue a run); ``optimizer`` continues with a given optimizer instead of a fresh ``adamw(model)``.
+    """
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    torch.manual_seed(seed)  # dropout masks come from the global generator
+    opt = optimizer if optimizer is not None else adamw(model, lr)
+    if seed is not None:
+        torch.manual_seed(seed)
     trace = Trace()
     for start in range(0, len(batches) - accumulate + 1, accumulate):
         for batch in batches[start:start + accumulate]:
@@ -46,6 +56,14 @@ def train(model: nn.Module, step_model: Callable, batches: Sequence[dict], *, ac
         trace.optimizer.append([t.detach().clone() for p in params for t in (opt.state[p]["exp_avg"],
                                 opt.state[p]["exp_avg_sq"], opt.state[p]["step"])])
     return trace
+
+
+def steps(trace: Trace, start: int, stop: int | None = None, *, accumulate: int = 1) -> Trace:
+    """Optimizer steps ``start`` to ``stop`` (exclusive; ``None``: to the end) of ``trace``."""
+    cut = slice(start, stop)
+    micro = slice(start * accumulate, None if stop is None else stop * accumulate)
+    return Trace(losses=trace.losses[micro], grad_norms=trace.grad_norms[cut], weights=trace.weights[cut],
+                 optimizer=trace.optimizer[cut])
 
 
 def _max_diff(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
