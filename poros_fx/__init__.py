@@ -10,7 +10,16 @@ from .step import PorosStep, step
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # PorosTrainer imports transformers' Trainer: load it only when asked for
+    if name == "PorosTrainer":
+        from .hf import PorosTrainer
+
+        return PorosTrainer
+    raise AttributeError(f"module 'poros_fx' has no attribute {name!r}")
+
 __all__ = [
     "VALIDATED", "Family", "LoadReport", "LoaderError", "from_config", "load_pretrained", "load_report", "NoBlocksError", "PorosConfigError", "PorosError", "PorosExactnessError",
-    "PorosStep", "UnsupportedArchitectureError", "ops", "prepare", "stats", "step", "unprepare", "user_asserted",
+    "PorosStep", "PorosTrainer", "UnsupportedArchitectureError", "ops", "prepare", "stats", "step", "unprepare", "user_asserted",
 ]

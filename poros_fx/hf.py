@@ -1,0 +1,121 @@
+"""``PorosTrainer``: a ``transformers.Trainer`` whose model forward runs through the poros backend.
+
+``TrainingArguments(torch_compile_backend="poros")`` cannot be used: accelerate checks the backend
+against a fixed list, and a compiled ``self.model`` would hide ``forward``'s signature from the
+Trainer (it drops dataset columns by inspecting it). So ``self.model`` stays the plain (PEFT) model,
+prepared in place (frozen base in the host store), and only ``compute_loss`` calls the compiled
+wrapper ``torch.compile(model, backend="poros", options=...)``. Everything else (loss scaling with
+``num_items_in_batch``, gradient accumulation, clipping, the optimizer and scheduler, logging,
+checkpoints, resume) is the Trainer's own code.
+
+Example::
+
+    from poros_fx.hf import PorosTrainer
+
+    trainer = PorosTrainer(model=peft_model, args=transformers.TrainingArguments(...),
+                           train_dataset=ds, poros_options={"block_size": 1, "prefetch": 1})
+    trainer.train()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from .errors import PorosConfigError
+from .options import PorosOptions
+from .prepare import ENTRY_ATTR, get_store, prepare
+
+
+class PorosTrainer(transformers.Trainer):
+    """``transformers.Trainer`` with the model's forward compiled by the ``poros`` backend.
+
+    ``poros_options``: the backend's ``options`` (``block_size``, ``prefetch``, ``stream``, ``dump``)
+    plus ``device``, the compute device for ``poros_fx.prepare`` (default: ``args.device``). A model
+    that is not prepared yet is prepared with ``device``, ``block_size`` and ``prefetch`` (default 1
+    and 1); a prepared one keeps its store, and ``block_size`` / ``prefetch`` here regroup the
+    compiled graph only. Single process, single device.
+    """
+
+    def __init__(self, *args: Any, poros_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        options = dict(poros_options or {})
+        device = options.pop("device", None)
+        PorosOptions.from_dict(options)  # bad options raise here, not at the first step
+        # set before Trainer.__init__: it calls _move_model_to_device, which prepares the model
+        self.poros_options: dict[str, Any] = options
+        self.poros_device: str | torch.device | None = device
+        self._poros_compiled: tuple[nn.Module, Any, nn.Module] | None = None  # (model, its store, wrapper)
+        # checked before Trainer.__init__, which would prepare (and place) the model
+        _check_args(kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None))
+        super().__init__(*args, **kwargs)
+        if self.model is not None:  # place_model_on_device=False skips _move_model_to_device
+            self.poros_prepare(self.model)
+
+    # -- poros ---------------------------------------------------------------------------------------
+
+    def poros_prepare(self, model: nn.Module) -> nn.Module:
+        """``model`` with its frozen base in the host store (``poros_fx.prepare``, unless it already is)."""
+        if get_store(model) is None:
+            device = self.poros_device if self.poros_device is not None else self.args.device
+            prepare(model, device=device, block_size=self.poros_options.get("block_size", 1),
+                    prefetch=self.poros_options.get("prefetch", 1))
+        return model
+
+    def poros_model(self, model: nn.Module) -> nn.Module:
+        """The compiled poros wrapper of ``model``; one per model and host store (a re-prepared or a
+        new model, e.g. from ``model_init``, gets a new one)."""
+        if hasattr(model, "_orig_mod"):
+            raise PorosConfigError("PorosTrainer got a torch.compile'd model; pass the plain (PEFT) model")
+        self.poros_prepare(model)
+        store = get_store(model)
+        cached = self._poros_compiled
+        if cached is not None and cached[0] is model and cached[1] is store:
+            return cached[2]
+        wrapper = torch.compile(model, backend="poros", options=dict(self.poros_options))
+        self._poros_compiled = (model, store, wrapper)
+        return wrapper
+
+    # -- Trainer hooks -------------------------------------------------------------------------------
+
+    def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
+                     num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        # the Trainer's own loss code, with the forward it calls compiled by poros
+        return super().compute_loss(self.poros_model(model), inputs, return_outputs=return_outputs,
+                                    num_items_in_batch=num_items_in_batch)
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        # model.to(device) would copy the whole frozen base onto the device: prepare first, then move
+        # only what is not in the host store (the adapter, buffers)
+        self.poros_prepare(model)
+        for module in model.modules():
+            for param in module._parameters.values():
+                if param is not None and not hasattr(param, ENTRY_ATTR) and param.device != device:
+                    param.data = param.data.to(device)
+            for name, buf in module._buffers.items():
+                if buf is not None and not hasattr(buf, ENTRY_ATTR) and buf.device != device:
+                    module._buffers[name] = buf.to(device)
+
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        # accelerate's prepare() would model.to(device) the host store onto the device; the Trainer
+        # moves the model (above) and every batch (_prepare_inputs) itself
+        args = super()._build_accelerator_args(**kwargs)
+        args["device_placement"] = False
+        return args
+
+
+def _check_args(args: transformers.TrainingArguments | None) -> None:
+    if args is None:  # the Trainer's defaults are fine
+        return
+    if args.torch_compile:
+        raise PorosConfigError("PorosTrainer compiles the model with backend='poros' itself; leave "
+                               "TrainingArguments.torch_compile / torch_compile_backend unset")
+    if args.n_gpu > 1 or args.world_size > 1:
+        raise PorosConfigError("PorosTrainer streams the base to one device from one process; "
+                               f"got n_gpu={args.n_gpu}, world_size={args.world_size}")
+    if args.gradient_checkpointing:
+        raise PorosConfigError("leave gradient_checkpointing off: the poros backend already recomputes "
+                               "each block in the backward")
