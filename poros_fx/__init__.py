@@ -5,6 +5,7 @@ from .errors import NoBlocksError, PorosConfigError, PorosError, PorosExactnessE
 from .families import VALIDATED, Family, user_asserted
 from .prepare import prepare, unprepare
 from .loader import LoaderError, LoadReport, from_config, load_pretrained, load_report
+from .report import report
 from .stats import stats
 from .step import PorosStep, step
 
@@ -21,5 +22,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "VALIDATED", "Family", "LoadReport", "LoaderError", "from_config", "load_pretrained", "load_report", "NoBlocksError", "PorosConfigError", "PorosError", "PorosExactnessError",
-    "PorosStep", "PorosTrainer", "UnsupportedArchitectureError", "ops", "prepare", "stats", "step", "unprepare", "user_asserted",
+    "PorosStep", "PorosTrainer", "UnsupportedArchitectureError", "ops", "prepare", "report", "stats", "step", "unprepare", "user_asserted",
 ]

@@ -270,6 +270,9 @@ def train(model: Optional[str] = typer.Argument(None, help="model folder (save_p
 
     trainable = [p for p in peft_model.parameters() if p.requires_grad]
     dev = trainable[0].device
+    from .report import report
+
+    console.print(report(peft_model), soft_wrap=True, highlight=False)
     console.print(f"model: {config.model_type}, {quantization} base streamed on {dev}, LoRA r={lora_r} "
                   f"alpha={lora_alpha} on {', '.join(targets)} ({sum(p.numel() for p in trainable):,} trainable "
                   f"parameters)", soft_wrap=True, highlight=False)

@@ -15,6 +15,7 @@ same parameter names, same adapter), with two changes:
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Callable
 
@@ -25,6 +26,8 @@ from . import ops
 from .errors import NoBlocksError, PorosConfigError
 from .families import Family, resolve
 from .runtime.store import HostEntry, HostStore
+
+logger = logging.getLogger("poros_fx")
 
 STORE_ATTR = "_poros_store"
 ENTRY_ATTR = "_poros_entry"
@@ -154,6 +157,10 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     setattr(model, STORE_ATTR, store)
     if unwrap(model) is not lm:
         setattr(lm, STORE_ATTR, store)
+    if logger.isEnabledFor(logging.INFO):
+        from .report import report
+
+        logger.info("%s", report(model))
     return model
 
 
