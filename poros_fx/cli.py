@@ -393,6 +393,47 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
                   highlight=False)
 
 
+# -- bench ------------------------------------------------------------------------------------------
+
+@app.command()
+def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: tiny, 0.5b, 7b, 32b, 72b"),
+          methods: str = typer.Option("peft_resident,peft_checkpointing,poros,poros_resident",
+                                      help="comma-separated: peft_resident, peft_checkpointing, compiled_resident, "
+                                      "poros, poros_resident"),
+          block_sizes: str = typer.Option("1,2,4", help="poros block sizes, one row each"),
+          seqs: str = typer.Option("512,2048", help="sequence lengths; the first is the base"),
+          accums: str = typer.Option("1,4", help="gradient accumulation; the first is the base"),
+          grid: str = typer.Option("star", help="star: base pair + each other seq / accum alone; full: every pair"),
+          steps: int = typer.Option(10, min=1, help="timed optimizer steps per row"),
+          warmup: int = typer.Option(1, min=1, help="untimed steps first (the first compiles)"),
+          device: str = typer.Option("cuda", help="cuda, or cpu (with --models tiny) for a smoke run"),
+          json_path: Path = typer.Option(Path("poros-bench.json"), "--json", help="results; merged into when it exists"),
+          md: Optional[Path] = typer.Option(None, help="markdown table (default: JSON path with .md)"),
+          plot: Optional[Path] = typer.Option(None, help="PNG plot (default: JSON path with .png)"),
+          time_budget: Optional[float] = typer.Option(None, help="seconds; no new row starts after them"),
+          compiled_resident: bool = typer.Option(False, "--compiled-resident",
+                                                 help="add compiled_resident (plain torch.compile; 0.5B/7B only)")) -> None:
+    """Side-by-side benchmark: PEFT resident / checkpointing / compiled vs poros streamed and resident (JSON, md, PNG)."""
+    import shlex
+    import sys
+
+    import torch
+
+    from . import bench as harness
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise _fail(harness.NO_CUDA_MESSAGE)
+    try:
+        config = harness.make_config(models=models, methods=methods, block_sizes=block_sizes, seqs=seqs, accums=accums,
+                                     grid=grid, steps=steps, warmup=warmup, device=device, json_path=json_path,
+                                     md_path=md, plot_path=plot, time_budget=time_budget,
+                                     compiled_resident=compiled_resident,
+                                     command=shlex.join(["poros-fx", *sys.argv[1:]]))
+    except ValueError as e:
+        raise _fail(str(e))
+    harness.run(config)
+
+
 def main() -> None:
     app()
 

@@ -1,0 +1,127 @@
+"""The benchmark harness on CPU with the tiny model: outputs, merging, failing rows, the no-GPU exit.
+
+Only the shape of the results is checked; no timing is ever asserted.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from poros_fx import bench
+
+SCRIPT = Path(sys.executable).parent / "poros-fx"
+TINY = {"models": "tiny", "seqs": "32", "accums": "1", "steps": 2, "warmup": 1, "device": "cpu"}
+ROW_KEYS = {"model", "method", "block_size", "seq", "accum", "s_per_step", "peak_gb", "h2d_gbps", "floor_s",
+            "compile_s", "ratio_vs_peft_resident", "error"}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # the test machine's cores are shared: OpenMP's spinning threads make a tiny model ~100x slower
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(tmp_path: Path, methods: str = "peft_resident,poros", extra: dict | None = None, **kwargs) -> dict:
+    options = {**TINY, "block_sizes": "1", **kwargs}
+    known = {**bench.METHODS, **(extra or {})}
+    config = bench.make_config(methods=methods, json_path=tmp_path / "bench.json", command="test", known_methods=known,
+                               **options)
+    lines: list[str] = []
+    doc = bench.run(config, methods=known, log=lines.append)
+    doc["log"] = lines
+    return doc
+
+
+def _rows(doc: dict) -> dict:
+    return {(r["method"], r["block_size"], r["seq"], r["accum"]): r for r in doc["rows"]}
+
+
+def test_smoke_run_writes_json_markdown_and_plot(tmp_path):
+    doc = _run(tmp_path)
+    on_disk = json.loads((tmp_path / "bench.json").read_text())
+    assert on_disk["rows"] == doc["rows"]
+    env = on_disk["env"]
+    for key in ("device", "gpu", "torch", "transformers", "peft", "bitsandbytes", "pinned_h2d_gbps", "commands"):
+        assert key in env
+    assert env["device"] == "cpu" and env["gpu"] is None and env["pinned_h2d_gbps"] is None
+    rows = _rows(doc)
+    assert set(rows) == {("peft_resident", None, 32, 1), ("poros", 1, 32, 1)}
+    for r in doc["rows"]:
+        assert ROW_KEYS <= set(r)
+        assert r["error"] is None and r["model"] == "tiny" and r["steps"] == 2
+        assert r["s_per_step"] > 0 and r["peak_gb"] is None and r["floor_s"] is None and r["wall_s"] is not None
+    assert "tiny" in env["runs"][-1]["build_s"]
+    peft, poros = rows[("peft_resident", None, 32, 1)], rows[("poros", 1, 32, 1)]
+    assert peft["ratio_vs_peft_resident"] == 1.0
+    assert poros["ratio_vs_peft_resident"] == pytest.approx(poros["s_per_step"] / peft["s_per_step"], rel=1e-3)
+    assert peft["h2d_gbps"] is None and peft["compile_s"] is None
+    assert poros["h2d_gbps"] is not None and poros["compile_s"] is not None
+    md = (tmp_path / "bench.md").read_text()
+    assert "| tiny | poros | 1 | 32 | 1 |" in md and "| tiny | peft_resident | - | 32 | 1 |" in md and "test" in md
+    png = (tmp_path / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _raise(model, block_size):
+    raise RuntimeError("injected failure\nsecond line not recorded")
+
+
+def test_merge_and_failing_row(tmp_path):
+    """A second run replaces rows with the same key and adds new ones; a method that raises is recorded
+    with its error and the rows after it still run."""
+    _run(tmp_path, methods="peft_resident")
+    boom = bench.Method("boom", "prepared", _raise)
+    second = _run(tmp_path, methods="boom,peft_resident", extra={"boom": boom}, seqs="32,16")
+    rows = _rows(second)
+    assert len(second["rows"]) == 4  # the (peft_resident, 32, 1) row replaced, not duplicated
+    assert set(rows) == {("peft_resident", None, 32, 1), ("peft_resident", None, 16, 1), ("boom", None, 32, 1),
+                         ("boom", None, 16, 1)}
+    assert rows[("boom", None, 32, 1)]["error"] == "RuntimeError: injected failure"
+    assert rows[("boom", None, 32, 1)]["s_per_step"] is None and rows[("boom", None, 32, 1)]["ratio_vs_peft_resident"] is None
+    assert rows[("peft_resident", None, 16, 1)]["error"] is None
+    assert rows[("peft_resident", None, 16, 1)]["ratio_vs_peft_resident"] == 1.0
+    assert json.loads((tmp_path / "bench.json").read_text())["env"]["commands"] == ["test"]
+    assert "RuntimeError: injected failure" in (tmp_path / "bench.md").read_text()
+
+
+def test_time_budget_stops_before_new_rows(tmp_path):
+    doc = _run(tmp_path, time_budget=0.0)
+    assert doc["rows"] == []
+    assert any("time budget" in line for line in doc["log"])
+    assert "time budget of 0 s exceeded" in doc["env"]["runs"][-1]["stopped"]
+    assert "Stopped early" in (tmp_path / "bench.md").read_text() and (tmp_path / "bench.png").exists()
+
+
+def test_plan_grid_and_restrictions():
+    config = bench.make_config(models="0.5b,qwen2.5-72b", methods="poros,peft_resident", seqs="512,2048",
+                               accums="1,4", compiled_resident=True)
+    assert bench.shapes(config) == [(512, 1), (2048, 1), (512, 4)]
+    specs, notes = bench.plan(config)
+    assert notes == ["compiled_resident skipped for qwen2.5-72b (only tiny, qwen2.5-0.5b, qwen2.5-7b)"]
+    small = [s for s in specs if s.model == "qwen2.5-0.5b"]
+    assert len(small) == 3 * (3 + 1 + 1)  # per pair: poros x 3 block sizes, peft_resident, compiled_resident
+    assert len([s for s in specs if s.model == "qwen2.5-72b"]) == 3 * 4
+    full = bench.make_config(seqs="512,2048", accums="1,4", grid="full")
+    assert len(bench.shapes(full)) == 4
+    with pytest.raises(ValueError, match="unknown model"):
+        bench.make_config(models="13b")
+    with pytest.raises(ValueError, match="unknown method"):
+        bench.make_config(methods="nope")
+
+
+def test_no_gpu_exits_2():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert bench.main([]) == 2
+    assert SCRIPT.exists(), "poros-fx is not installed in this environment (pip install -e .)"
+    res = subprocess.run([str(SCRIPT), "bench"], capture_output=True, text=True, timeout=300,
+                         env={"COLUMNS": "200", "PATH": str(SCRIPT.parent), "HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 2
+    assert "needs a CUDA GPU; use --device cpu --models tiny for a smoke run" in res.stdout + res.stderr
