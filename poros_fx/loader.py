@@ -420,16 +420,14 @@ def _meta_model(config: "transformers.PretrainedConfig", quantization: str, fam:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE)
     if quantization == "nf4":
-        import bitsandbytes as bnb
+        from .quantize import linear4bit_like
 
         # the same replacement poros_fx.quantize.quantize_nf4 makes, without touching any weight
         for _, child in list(model.get_submodule(fam.layers).named_modules()):
             for attr, lin in list(child.named_children()):
                 if type(lin) is not nn.Linear:
                     continue
-                q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                      compute_dtype=COMPUTE_DTYPE, compress_statistics=True, quant_type="nf4",
-                                      device="meta")
+                q = linear4bit_like(lin, compute_dtype=COMPUTE_DTYPE, nested=True)
                 if lin.bias is not None:
                     q.bias = lin.bias  # keeps the model's bf16 (Linear4bit would make a float32 one)
                 setattr(child, attr, q)

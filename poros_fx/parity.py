@@ -49,13 +49,18 @@ def train(model: nn.Module, step_model: Callable, batches: Sequence[dict], *, ac
             loss = step_model(**batch, use_cache=False).loss / accumulate
             loss.backward()
             trace.losses.append(loss.detach().clone())
-        trace.grad_norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        trace.weights.append([p.detach().clone() for p in params])
-        trace.optimizer.append([t.detach().clone() for p in params for t in (opt.state[p]["exp_avg"],
-                                opt.state[p]["exp_avg_sq"], opt.state[p]["step"])])
+        optimizer_step(trace, params, opt)
     return trace
+
+
+def optimizer_step(trace: Trace, params: Sequence[torch.Tensor], opt: torch.optim.Optimizer) -> None:
+    """Record the gradient norm, step the (Adam-family) optimizer, then record weights and its state."""
+    trace.grad_norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    trace.weights.append([p.detach().clone() for p in params])
+    trace.optimizer.append([t.detach().clone() for p in params for t in (opt.state[p]["exp_avg"],
+                            opt.state[p]["exp_avg_sq"], opt.state[p]["step"])])
 
 
 def steps(trace: Trace, start: int, stop: int | None = None, *, accumulate: int = 1) -> Trace:

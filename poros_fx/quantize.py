@@ -11,6 +11,14 @@ import torch
 from torch import nn
 
 
+def linear4bit_like(lin: nn.Linear, *, compute_dtype: torch.dtype, nested: bool = True) -> nn.Module:
+    """An empty (``meta``) NF4 ``Linear4bit`` of ``lin``'s shape; the caller sets its weight and bias."""
+    import bitsandbytes as bnb
+
+    return bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                             compute_dtype=compute_dtype, compress_statistics=nested, quant_type="nf4", device="meta")
+
+
 def quantize_nf4(model: nn.Module, *, layers: str = "model.layers", compute_dtype: torch.dtype = torch.bfloat16,
                  nested: bool = True, device: str | torch.device = "cpu", blocksize: int = 64) -> nn.Module:
     """Replace every ``nn.Linear`` in ``model.<layers>`` by an NF4 ``Linear4bit`` (in place; returns ``model``)."""
@@ -21,9 +29,7 @@ def quantize_nf4(model: nn.Module, *, layers: str = "model.layers", compute_dtyp
         for attr, lin in list(child.named_children()):
             if type(lin) is not nn.Linear:
                 continue
-            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                  compute_dtype=compute_dtype, compress_statistics=nested, quant_type="nf4",
-                                  device="meta")
+            q = linear4bit_like(lin, compute_dtype=compute_dtype, nested=nested)
             q.weight = bnb.nn.Params4bit(lin.weight.data.detach(), requires_grad=False,
                                          compress_statistics=nested, quant_type="nf4", blocksize=blocksize)
             if lin.bias is not None:

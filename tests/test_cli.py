@@ -1,26 +1,16 @@
 """The CLI through its real entry point (the installed ``poros-fx`` script)."""
 
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from cli_helper import cli
 import torch
 
 import poros_fx
 from poros_fx.sizes import block_bytes, nf4_bytes
 from poros_fx.tiny import tiny_config, tiny_lora_model
 
-SCRIPT = Path(sys.executable).parent / "poros-fx"
 
 
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    assert SCRIPT.exists(), "poros-fx is not installed in this environment (pip install -e .)"
-    res = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=600,
-                         env={"COLUMNS": "200", "PATH": str(SCRIPT.parent), "HF_HUB_OFFLINE": "1"})
-    if check:
-        assert res.returncode == 0, res.stdout + res.stderr
-    return res
 
 
 def test_doctor():

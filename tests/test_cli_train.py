@@ -5,11 +5,10 @@ next to a tiny random checkpoint: nothing is downloaded.
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helper import cli
 import torch
 import transformers
 from safetensors import safe_open
@@ -18,7 +17,6 @@ from poros_fx.data import IGNORE_INDEX, DataError, load_dataset
 from poros_fx.export import ExportError, export_merged
 from poros_fx.tiny import tiny_config
 
-SCRIPT = Path(sys.executable).parent / "poros-fx"
 VOCAB = 320  # the byte-level BPE below has 256 bytes + merges + specials < 320
 TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world, what is two plus two?", "two plus two is four",
          "poros streams a frozen base block by block", "a small model learns a small language"]
@@ -26,13 +24,6 @@ TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world, what is tw
 FAST = ("--seq-len", "24", "--batch-size", "2", "--accumulate", "2", "--device", "cpu", "--quantization", "bf16")
 
 
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    assert SCRIPT.exists(), "poros-fx is not installed in this environment (pip install -e .)"
-    res = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=600,
-                         env={"COLUMNS": "200", "PATH": str(SCRIPT.parent), "HF_HUB_OFFLINE": "1"})
-    if check:
-        assert res.returncode == 0, res.stdout + res.stderr
-    return res
 
 
 def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:

@@ -14,7 +14,7 @@ from torch import nn
 
 import poros_fx
 from poros_fx.errors import PorosConfigError
-from poros_fx.parity import SURFACES, Trace, compare, format_diffs
+from poros_fx.parity import SURFACES, Trace, compare, format_diffs, optimizer_step
 from poros_fx.prepare import get_store
 from poros_fx.step import PorosStep, step
 from poros_fx.tiny import demo_batches, tiny_lora_model
@@ -33,12 +33,7 @@ def optimize(model, call, batches, *, micro_losses=False):
     for i, batch in enumerate(batches):
         out = call(model, batch, i)
         trace.losses.extend(t.detach().clone() for t in (out if micro_losses else [out]))
-        trace.grad_norms.append(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        trace.weights.append([p.detach().clone() for p in params])
-        trace.optimizer.append([t.detach().clone() for p in params for t in (opt.state[p]["exp_avg"],
-                                opt.state[p]["exp_avg_sq"], opt.state[p]["step"])])
+        optimizer_step(trace, params, opt)
     return trace
 
 
