@@ -22,18 +22,23 @@ def streamed(fresh_adapter: bool = False):
     return model, torch.compile(model, backend="poros")
 
 
-def test_resume_continues_bit_identically(tmp_path):
-    batches = demo_batches(STEPS * ACC, seq=24, seed=3)
-
+def whole_and_first_part(batches, cut):
+    """An uninterrupted run over ``batches``, and an independent run of its first ``cut`` steps (its model,
+    compiled model and optimizer are returned to be saved or continued)."""
     torch._dynamo.reset()
     model, step_model = streamed()
     whole = train(model, step_model, batches, accumulate=ACC)
-
-    # the interrupted run: CUT steps, then adapter, optimizer and RNG state to disk
     torch._dynamo.reset()
     model, step_model = streamed()
     opt = adamw(model)
-    first = train(model, step_model, batches[:CUT * ACC], accumulate=ACC, optimizer=opt)
+    first = train(model, step_model, batches[:cut * ACC], accumulate=ACC, optimizer=opt)
+    return whole, first, model, step_model, opt
+
+
+def test_resume_continues_bit_identically(tmp_path):
+    batches = demo_batches(STEPS * ACC, seq=24, seed=3)
+    # the interrupted run: CUT steps, then adapter, optimizer and RNG state to disk
+    whole, first, model, step_model, opt = whole_and_first_part(batches, CUT)
     model.save_pretrained(tmp_path / "adapter")
     torch.save({"optimizer": opt.state_dict(), "rng": torch.get_rng_state()}, tmp_path / "state.pt")
     del model, step_model, opt
@@ -57,13 +62,7 @@ def test_resume_continues_bit_identically(tmp_path):
 def test_resume_without_rng_state_is_caught():
     """The comparison sees a resume that forgets the RNG state (dropout masks change)."""
     batches = demo_batches(4 * ACC, seq=24, seed=3)
-    torch._dynamo.reset()
-    model, step_model = streamed()
-    whole = train(model, step_model, batches, accumulate=ACC)
-    torch._dynamo.reset()
-    model, step_model = streamed()
-    opt = adamw(model)
-    train(model, step_model, batches[:2 * ACC], accumulate=ACC, optimizer=opt)
+    whole, _, model, step_model, opt = whole_and_first_part(batches, 2)
     torch.manual_seed(999)  # the RNG state is not restored
     rest = train(model, step_model, batches[2 * ACC:], accumulate=ACC, optimizer=opt, seed=None)
     assert compare(rest, steps(whole, 2, accumulate=ACC))["loss"] > 0
