@@ -46,12 +46,6 @@ class HostStore:
     undo: list[Any] = dataclasses.field(default_factory=list)  # callables that reverse prepare, in order
     schedules: list[Any] = dataclasses.field(default_factory=list)  # one per graph the backend compiled
 
-    def entry_of(self, host: torch.Tensor) -> HostEntry:
-        try:
-            return self.entries[id(host)]
-        except KeyError:
-            raise KeyError("tensor is not in this model's host store") from None
-
     def block_bytes(self) -> list[int]:
         """Bytes of base weights each block reads (a tied tensor counts in each block that reads it)."""
         sizes = [0] * len(self.block_names)
