@@ -35,3 +35,57 @@ def test_aliases_follow_views_only():
     copy = g.call_function(torch.ops.aten.clone.default, (v,))
     g.output((copy,))
     assert aliases(ld) == [ld, t, v]
+
+
+def _schedule(stream=True):
+    from poros_fx.options import PorosOptions
+    from poros_fx.runtime.executor import GraphRuntime
+    from poros_fx.schedule import Block, Schedule
+
+    s = Schedule(graph_id="t", options=PorosOptions(), device=torch.device("cpu"), block_size=1, prefetch=0,
+                 stream=stream, blocks=[Block(0, "embed"), Block(1, "layers.0")])
+    s.runtime = GraphRuntime(None, stream, "forward")
+    return s
+
+
+def test_residency_refuses_a_loaded_tensor_saved_for_the_backward():
+    import pytest
+
+    from poros_fx.errors import PorosExactnessError
+    from poros_fx.passes.residency import residency
+    from poros_fx.passes.rng import PHASE
+
+    g = fx.Graph()
+    ld = g.call_function(LOAD, (g.placeholder("primals_1"), torch.device("cpu")))
+    t = g.call_function(torch.ops.aten.t.default, (ld,))
+    ld.meta[BLOCK] = t.meta[BLOCK] = 1
+    g.output((t,))  # a view of the loaded weight leaves the forward
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    gm.meta[PHASE] = "forward"
+    with pytest.raises(PorosExactnessError, match="device copy of the base"):
+        residency(gm, _schedule())
+
+
+def test_rng_refuses_an_unwrapped_recomputed_random_op_and_graphsafe_rng():
+    import pytest
+    from torch._prims.rng_prims import graphsafe_run_with_rng_state
+
+    from poros_fx.errors import PorosExactnessError
+    from poros_fx.passes.rng import PHASE, rng
+
+    def backward_graph(target, args, forward):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        node = g.call_function(target, (x, *args))
+        node.meta.update({BLOCK: 1, FORWARD: forward})
+        g.output((node,))
+        gm = fx.GraphModule(torch.nn.Module(), g)
+        gm.meta[PHASE] = "backward"
+        return gm
+
+    with pytest.raises(PorosExactnessError, match="without the forward's RNG state"):
+        rng(backward_graph(torch.ops.aten.native_dropout.default, (0.1, True), forward=True), _schedule())
+    # the same op as a backward op (replaying a saved seed) is fine
+    rng(backward_graph(torch.ops.aten.native_dropout.default, (0.1, True), forward=False), _schedule())
+    with pytest.raises(PorosExactnessError, match="graph-safe RNG"):
+        rng(backward_graph(graphsafe_run_with_rng_state, (), forward=True), _schedule())
