@@ -1,21 +1,25 @@
 """Residency: hand loads to the runtime and evict every loaded tensor right after its last use.
 
 Each ``poros.load`` becomes a call of the graph's ``GraphRuntime.load`` (ledger, resident cache for
-``stream=False``). With streaming on, an ``evict`` follows the last reader of the loaded tensor and
-of every view of it, and the pass checks the structural promise: no loaded tensor (or view of one)
-leaves the forward graph, so the backward can only get base weights by loading them again.
+``stream=False``; the last load of a run of consecutive loads, a prefetch group, says so, and the
+runtime records one copy-done event per group). With streaming on, an ``evict`` follows the last
+reader of the loaded tensor and of every view of it, and the pass checks the structural promise: no
+loaded tensor (or view of one) leaves the forward graph, so the backward can only get base weights by
+loading them again. On CUDA, where loads run on the copy stream, a ``wait`` goes right before the
+first reader, and every reader takes the tensor from it.
 
 Before (forward graph)::
 
-    load = poros.load(primals_3, cpu)
+    load = poros.load(primals_3, cuda)
     t = aten.t(load)
     mm = aten.mm(view, t)
     add = aten.add(mm, ...)
 
-After::
+After (CUDA; on the CPU there is no wait and ``t`` reads ``load``)::
 
-    load = runtime.load(primals_3, cpu, 1)
-    t = aten.t(load)
+    load = runtime.load(primals_3, cuda, 1, True)
+    wait = runtime.wait(load)              # compute stream waits for the copy group
+    t = aten.t(wait)
     mm = aten.mm(view, t)
     evict = runtime.evict(load)            # load and t are dead from here
     add = aten.add(mm, ...)
@@ -52,11 +56,13 @@ def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     output = next(iter(graph.find_nodes(op="output")))
-    for ld in [n for n in graph.nodes if n.target is LOAD]:
+    loads = [n for n in graph.nodes if n.target is LOAD]
+    last_in_group = {ld: ld.next.target is not LOAD for ld in loads}
+    for ld in loads:
         host, device = ld.args
         block = ld.meta[BLOCK]
         ld.target = runtime.load
-        ld.args = (host, device, block)
+        ld.args = (host, device, block, last_in_group[ld])
         if not schedule.stream:
             continue
         group = aliases(ld)
@@ -64,9 +70,15 @@ def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
             raise PorosExactnessError(f"{phase} graph hands the loaded base tensor {ld.name} (or a view of it) to its "
                                       "output; the backward would keep a device copy of the base")
         last = max((u for a in group for u in a.users), key=position.__getitem__)
+        first = min(ld.users, key=position.__getitem__)
         with graph.inserting_after(last):
             ev = graph.call_function(runtime.evict, (ld,))
         ev.meta[BLOCK] = block
+        if runtime.overlap:
+            with graph.inserting_before(first):
+                wait = graph.call_function(runtime.wait, (ld,))
+            wait.meta[BLOCK] = block
+            ld.replace_all_uses_with(wait, delete_user_cb=lambda user: user not in (wait, ev))
         entry = schedule.host_inputs.get(host.name)
         schedule.evicts.append(Evict(phase=phase, block=block, weight=entry.name if entry else host.name,
                                      after_node=last.name))

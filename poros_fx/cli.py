@@ -124,7 +124,8 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
     for name in shown:
         table.add_row(name, "" if name == "..." else f"{sizes[names.index(name)] / 2**20:,.1f} MiB")
     console.print(table)
-    console.print(f"base: {sum(sizes) / 2**30:.2f} GiB in the host store, {len(names)} blocks; "
+    console.print(f"base: {sum(sizes) / 2**30:.2f} GiB loaded by {len(names)} blocks per pass (the embedding's rows are "
+                  "gathered from the host store, its table is loaded only where the head shares it); "
                   f"largest block {max(sizes) / 2**20:,.1f} MiB ({names[sizes.index(max(sizes))]})")
     console.print(f"predicted peak of base weights on the device: (1 + prefetch {prefetch}) x largest block = "
                   f"{(1 + prefetch) * max(sizes) / 2**20:,.1f} MiB (adapter, activations and logits come on top)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 
 class PorosError(RuntimeError):
     """Base class of every error poros-fx raises on purpose."""
@@ -21,3 +23,8 @@ class NoBlocksError(PorosError):
 
 class PorosExactnessError(PorosError):
     """A schedule that would not reproduce the resident run bit for bit; raised instead of running."""
+
+
+class PorosOOMError(PorosError, torch.OutOfMemoryError):
+    """A block plus its prefetch did not fit the free device memory; says which block size / prefetch
+    would, from the free memory measured when it happened."""

@@ -3,8 +3,9 @@
 After ``prepare`` the module tree is the user's own (same classes as far as ``isinstance`` can tell,
 same parameter names, same adapter), with two changes:
 
-* every frozen tensor's data lives in the host store (pinned host memory for CUDA, a separate CPU
-  tensor for the CPU), so nothing of the base stays on the compute device between uses;
+* every frozen tensor's data lives in the host store: views of one exact-size host arena
+  (page-locked for CUDA, see ``runtime/arena.py``), so nothing of the base stays on the compute
+  device between uses;
 * each module holding frozen tensors gets a subclass of its own class whose ``weight`` / ``bias``
   attributes are properties returning ``poros::load(host, device)`` (bitsandbytes ``Linear4bit``
   gets a forward that loads the packed weight and its quant state the same way and then calls the
@@ -25,6 +26,7 @@ from torch import nn
 from . import ops
 from .errors import NoBlocksError, PorosConfigError
 from .families import Family, resolve
+from .runtime.arena import HostArena, aligned
 from .runtime.store import HostEntry, HostStore
 
 logger = logging.getLogger("poros_fx")
@@ -137,8 +139,11 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
                                    "bias; poros-fx cannot route them through its loads yet")
         owners.append((mod_name, module, frozen))
         for n in frozen:
-            reader_blocks.setdefault(id(module._parameters[n]), set()).add(block_of(mod_name))
+            readers = reader_blocks.setdefault(id(module._parameters[n]), set())
+            if not _gathers(module):  # a gathering embedding copies rows, not its table: no block load
+                readers.add(block_of(mod_name))
 
+    store.arena = HostArena(_arena_bytes(owners))
     classes: dict[type, type] = {}
     for mod_name, module, frozen in owners:
         if _is_linear4bit(module):
@@ -154,6 +159,8 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
         module._poros_device = device
         module._poros_frozen = tuple(frozen)
         store.undo.append(lambda module=module, original=original: _restore_class(module, original))
+    if device.type == "cuda":
+        store.arena.pin()  # one exact-size page-locked range (see runtime/arena.py)
     setattr(model, STORE_ATTR, store)
     if unwrap(model) is not lm:
         setattr(lm, STORE_ATTR, store)
@@ -173,6 +180,8 @@ def unprepare(model: nn.Module) -> nn.Module:
     for undo in reversed(store.undo):
         undo()
     store.resident_cache.clear()
+    if store.arena is not None:
+        store.arena.unpin()
     model.__dict__.pop("_poros_step_wrappers", None)  # @poros_fx.step's compiled wrappers of this model
     for holder in {id(model): model, id(causal_lm(model)): causal_lm(model)}.values():
         if hasattr(holder, STORE_ATTR):
@@ -182,21 +191,30 @@ def unprepare(model: nn.Module) -> nn.Module:
 
 # -- moving tensors ---------------------------------------------------------------------------------
 
-def _host_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A new contiguous host tensor with ``t``'s values (pinned for a CUDA compute device).
+def _arena_bytes(owners: list[tuple[str, nn.Module, list[str]]]) -> int:
+    """Bytes (aligned) of every tensor ``prepare`` will move: frozen parameters once each (a tied pair is
+    one tensor), and for bitsandbytes ``Linear4bit`` the packed weight and its quant-state tensors."""
+    seen: dict[int, torch.Tensor] = {}
+    for _, module, frozen in owners:
+        for n in frozen:
+            seen.setdefault(id(module._parameters[n]), module._parameters[n])
+        if _is_linear4bit(module) and module._parameters["weight"].quant_state is not None:
+            for t in _quant_state_tensors(module._parameters["weight"].quant_state).values():
+                seen.setdefault(id(t), t)
+    return sum(aligned(t.numel() * t.element_size()) for t in seen.values())
 
-    Plain ``empty`` + ``copy_`` on purpose: ``Params4bit.to`` would move its quant state as a side effect.
-    """
-    host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=device.type == "cuda")
-    host.copy_(t.data)
-    return host
+
+def _host_copy(store: HostStore, t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in the store's host arena. ``place`` copies with plain ``copy_`` on purpose:
+    ``Params4bit.to`` would move its quant state as a side effect."""
+    return store.arena.place(t.data)
 
 
 def _move_param(store: HostStore, name: str, param: torch.Tensor, blocks: tuple[int, ...]) -> None:
     if id(param) in store.entries:
         return  # a tied tensor, already moved under its first name
     origin = param.device
-    param.data = _host_copy(param, store.device)
+    param.data = _host_copy(store, param)
     _add_entry(store, name, param, origin, blocks)
 
     def undo(param=param, origin=origin):
@@ -237,13 +255,13 @@ def _move_linear4bit(store: HostStore, mod_name: str, module: nn.Module, reader_
         raise PorosConfigError(f"{mod_name}: weight was repacked for CPU inference; reload the model for training")
     blocks = tuple(sorted(reader_blocks[id(params4bit)]))
     origin = params4bit.device
-    packed = nn.Parameter(_host_copy(params4bit, store.device), requires_grad=False)
+    packed = nn.Parameter(_host_copy(store, params4bit), requires_grad=False)
     params4bit.data = packed.data  # the set-aside Params4bit must not keep device memory alive
     _add_entry(store, f"{mod_name}.weight", packed, origin, blocks)
     module._parameters["weight"] = packed
     module._poros_quant_state = qs
     for key, tensor in _quant_state_tensors(qs).items():
-        buf = nn.Parameter(_host_copy(tensor, store.device), requires_grad=False)
+        buf = nn.Parameter(_host_copy(store, tensor), requires_grad=False)
         _add_entry(store, f"{mod_name}.weight.quant_state.{key}", buf, tensor.device, blocks)
         module.register_buffer(f"poros_qs_{key}", buf, persistent=False)
     # the QuantState object now points at the host copies, so nothing of it stays on the device
@@ -300,6 +318,8 @@ def _poros_class(original: type, module: nn.Module) -> type:
         namespace["forward"] = _linear4bit_forward
         namespace["bias"] = _load_property("bias")
     else:
+        if _gathers(module):
+            namespace["forward"] = _embedding_forward
         for name in ("weight", "bias"):
             namespace[name] = _load_property(name)
     return type(original.__name__, (original,), namespace)
@@ -309,6 +329,25 @@ def _restore_class(module: nn.Module, original: type) -> None:
     module.__class__ = original
     for attr in ("_poros_device", "_poros_frozen", "_poros_quant_state"):
         module.__dict__.pop(attr, None)
+
+
+def gathers_rows(module: nn.Module) -> bool:
+    """Whether a prepared ``module`` looks rows up in the host store instead of loading its table: a
+    plain ``nn.Embedding`` (its class keeps ``nn.Embedding.forward``) without ``max_norm`` (which would
+    rewrite the table). Subclasses with their own forward (Gemma's scaled embedding) load the table as
+    a block."""
+    return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+            and module.max_norm is None)
+
+
+def _gathers(module: nn.Module) -> bool:
+    return gathers_rows(module) and not module.weight.requires_grad
+
+
+def _embedding_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
+    """``nn.Embedding.forward`` with the rows gathered from the host store (padding_idx,
+    scale_grad_by_freq and sparse only shape the table's gradient, and the table is frozen)."""
+    return ops.gather(self._parameters["weight"], input, self._poros_device)
 
 
 def _linear4bit_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,8 @@
 The module tree is built on the ``meta`` device; each frozen tensor is counted in the block that reads
 it, at the size the host store will give it: bf16 at 2 bytes an element, and for NF4 decoder linears
 what bitsandbytes' nested quantization keeps (packed 4-bit weight, 8-bit absmax per 64 elements, the
-fp32 absmax of those per 256, the 256-entry fp32 code, the fp32 offset).
+fp32 absmax of those per 256, the 256-entry fp32 code, the fp32 offset). A plain embedding's table
+counts in no block: its rows are gathered (a tied table counts in the head, which loads it).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from .families import Family, resolve
-from .prepare import block_names, module_blocks
+from .prepare import block_names, gathers_rows, module_blocks
 
 if TYPE_CHECKING:
     import transformers
@@ -45,6 +46,8 @@ def block_bytes(config: "transformers.PretrainedConfig", quantization: str = "nf
     sizes = [0] * len(names)
     # a tied embedding / lm_head tensor is listed under both modules: each block loads it, so it counts twice
     for mod_name, module in model.named_modules():
+        if gathers_rows(module):
+            continue  # the embedding's rows are gathered from the host store: no block loads its table
         for pname, p in module.named_parameters(recurse=False):
             block = block_of(mod_name)
             in_layers = mod_name.startswith(fam.layers + ".")

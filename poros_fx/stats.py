@@ -17,7 +17,9 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     Keys: ``peak_resident_base_bytes`` (most base bytes on the compute device at once),
     ``resident_base_bytes`` (now), ``block_bytes`` (list, per block: embed, layer blocks, head),
     ``block_names``, ``bytes_loaded``, ``loads``, ``evictions``, ``recomputed_blocks``,
-    ``forward_runs``, ``backward_runs``, ``host_bytes``, ``pinned``, ``block_size``, ``prefetch``, ``device``.
+    ``forward_runs``, ``backward_runs``, ``host_bytes`` (the base's bytes in the host store),
+    ``pinned_host_bytes`` (page-locked bytes the store holds: its arena, within 512 bytes per tensor of
+    ``host_bytes``; 0 on a CPU compute device), ``pinned``, ``block_size``, ``prefetch``, ``device``.
     """
     store = get_store(model)
     if store is None:
@@ -26,7 +28,7 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     out = dataclasses.asdict(ledger)
     out["resident_base_bytes"] = out.pop("resident_bytes")
     out.update(block_bytes=store.block_bytes(), block_names=list(store.block_names), host_bytes=store.host_bytes(),
-               pinned=store.pinned(), block_size=store.block_size, prefetch=store.prefetch, device=str(store.device))
+               pinned=store.pinned(), pinned_host_bytes=store.pinned_bytes(), block_size=store.block_size, prefetch=store.prefetch, device=str(store.device))
     if reset:
         ledger.reset()
     return out

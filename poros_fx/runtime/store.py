@@ -1,7 +1,7 @@
 """The host store: frozen base tensors kept off the compute device, one entry per tensor.
 
-``prepare`` moves every frozen tensor here (pinned when the compute device is CUDA, a separate CPU
-tensor when it is the CPU) and remembers where it came from, so ``unprepare`` can put it back. The
+``prepare`` moves every frozen tensor here (a view of one exact-size host arena, page-locked when
+the compute device is CUDA) and remembers where it came from, so ``unprepare`` can put it back. The
 store also owns the model's residency ledger and, for ``stream=False`` graphs, the cache of device
 copies that stay resident.
 """
@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .arena import HostArena
 from .ledger import ResidencyLedger
 
 
@@ -28,7 +29,7 @@ class HostEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.host.untyped_storage().nbytes()
+        return self.host.numel() * self.host.element_size()  # the host tensor is a view of the arena
 
 
 @dataclasses.dataclass(eq=False)
@@ -41,10 +42,12 @@ class HostStore:
     family: Any  # families.Family
     block_names: list[str]  # block index -> name ("embed", "layers.0", "layers.2-3", "head")
     entries: dict[int, HostEntry] = dataclasses.field(default_factory=dict)  # id(host) -> entry
+    arena: HostArena | None = None  # the one host allocation every entry's tensor is a view of
     ledger: ResidencyLedger = dataclasses.field(default_factory=ResidencyLedger)
     resident_cache: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # stream=False copies
     undo: list[Any] = dataclasses.field(default_factory=list)  # callables that reverse prepare, in order
     schedules: list[Any] = dataclasses.field(default_factory=list)  # one per graph the backend compiled
+    _copy_stream: Any = dataclasses.field(default=None, repr=False)
 
     def block_bytes(self) -> list[int]:
         """Bytes of base weights each block reads (a tied tensor counts in each block that reads it)."""
@@ -57,5 +60,46 @@ class HostStore:
     def host_bytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
 
+    def copy_stream(self) -> Any:
+        """The CUDA stream every streamed load of this model copies on (created on first use)."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        return self._copy_stream
+
+    def oom_message(self, block: int, nbytes: int, stream: bool) -> str:
+        """What to say when loading ``nbytes`` of ``block`` ran out of device memory: the free memory
+        measured now, what the base holds of it, and the block size / prefetch that would fit."""
+        free, total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        base_now = self.ledger.resident_bytes
+        # what a streamed schedule could use for base weights: free memory plus the base bytes held now
+        budget = free + cached + base_now
+        sizes = self.block_bytes()
+        layer = max(sizes[1:-1]) / self.block_size if len(sizes) > 2 else 0
+        ends = max(sizes[0], sizes[-1])
+        gib = 2**30
+        lines = [f"out of device memory loading {nbytes / gib:.2f} GiB for block {self.block_names[block]!r} "
+                 f"(stream={stream}, block_size={self.block_size}, prefetch={self.prefetch}). Measured now: "
+                 f"{free / gib:.2f} GiB free on the device of {total / gib:.1f} GiB, {cached / gib:.2f} GiB cached by "
+                 f"torch's allocator, {base_now / gib:.2f} GiB of base weights resident."]
+        fits = [(bs, p) for bs in (4, 2, 1) for p in (2, 1, 0)
+                if (1 + p) * max(bs * layer, ends) <= budget]
+        if not stream:
+            lines.append("stream=False keeps the whole base resident; stream it (the default) to hold one block.")
+        if fits:
+            bs, p = fits[0]
+            lines.append(f"A schedule that would fit the {budget / gib:.2f} GiB the base can use: block_size={bs}, "
+                         f"prefetch={p} ({(1 + p) * max(bs * layer, ends) / gib:.2f} GiB of base weights at once); "
+                         "activations and dequantized weights need room on top, so leave some.")
+        else:
+            lines.append(f"Even block_size=1, prefetch=0 needs {max(layer, ends) / gib:.2f} GiB of base weights at once, "
+                         f"more than the {budget / gib:.2f} GiB the base can use: shorten the sequence, lower the "
+                         "batch size, or free device memory held elsewhere in the process.")
+        return " ".join(lines)
+
     def pinned(self) -> bool:
-        return bool(self.entries) and all(e.host.is_pinned() for e in self.entries.values())
+        return self.arena is not None and self.arena.pinned
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes the store holds (the arena's exact size; 0 for a CPU compute device)."""
+        return self.arena.pinned_bytes if self.arena is not None else 0

@@ -1,0 +1,65 @@
+"""The host store's arena and the embedding row gather (CPU); the pinned/copy-stream side is in test_gpu_parity."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import poros_fx
+from poros_fx import ops
+from poros_fx.prepare import get_store
+from poros_fx.runtime.arena import ALIGN, HostArena, aligned
+from poros_fx.tiny import tiny_lora_model
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
+def test_every_base_tensor_is_a_view_of_one_exact_size_arena(nf4):
+    model = tiny_lora_model("qwen2", layers=2, nf4=nf4)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    poros_fx.prepare(model, device="cpu")
+    store = get_store(model)
+    arena = store.arena
+    start, end = arena.buffer.data_ptr(), arena.buffer.data_ptr() + arena.capacity
+    spans = []
+    for entry in store.entries.values():
+        assert start <= entry.host.data_ptr() and entry.host.data_ptr() + entry.nbytes <= end, entry.name
+        assert entry.host.data_ptr() % ALIGN == 0
+        spans.append((entry.host.data_ptr(), entry.host.data_ptr() + entry.nbytes))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "no two tensors overlap"
+    # exact size: the base's bytes, plus at most the alignment padding of each tensor
+    assert arena.used == arena.capacity == sum(aligned(e.nbytes) for e in store.entries.values())
+    assert store.host_bytes() <= arena.capacity < store.host_bytes() + ALIGN * len(store.entries)
+    s = poros_fx.stats(model)
+    assert s["pinned_host_bytes"] == 0 and not s["pinned"]  # a CPU compute device pins nothing
+    poros_fx.unprepare(model)
+    after = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
+    if not nf4:  # (an NF4 model's frozen names change under prepare; test_parity round-trips it)
+        assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_arena_refuses_more_than_it_counted():
+    arena = HostArena(aligned(16))
+    arena.place(torch.ones(4))
+    with pytest.raises(AssertionError, match="arena full"):
+        arena.place(torch.ones(1))
+
+
+def test_gather_is_the_embedding_lookup():
+    table = torch.randn(50, 8, dtype=torch.bfloat16)
+    ids = torch.tensor([[3, 3, 49, 0], [7, 1, 2, 3]])
+    rows = ops.gather(table, ids, torch.device("cpu"))
+    assert torch.equal(rows, F.embedding(ids, table))
+    assert rows.data_ptr() != table.data_ptr()
+
+
+def test_embedding_gathers_rows_inside_the_compiled_graph():
+    model = tiny_lora_model("llama", layers=2)
+    poros_fx.prepare(model, device="cpu")
+    step_model = torch.compile(model, backend="poros")
+    ids = torch.randint(0, 256, (2, 16))
+    step_model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    (schedule,) = get_store(model).schedules
+    fw = schedule.graphs["forward"]
+    gathers = [n for n in fw.graph.nodes if n.target is ops.GATHER]
+    assert len(gathers) == 1 and gathers[0].meta["poros_block"] == 0
+    assert not any(ld.block == 0 for ld in schedule.loads), "the embed block loads no table"
