@@ -237,6 +237,7 @@ class TensorSpec:
     dtype: str  # safetensors dtype code: "BF16", "F32", ...
     shape: tuple[int, ...]
     nbytes: int
+    offset: int = 0  # where its bytes start in the file
 
     @property
     def numel(self) -> int:
@@ -324,7 +325,8 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorSpec]:
         if begin < 0 or end - begin != expected:
             raise LoaderError(f"{path}: corrupt safetensors header: tensor {name!r} ({dtype}, shape {list(shape)}) "
                               f"has offsets {begin}..{end}, {end - begin} bytes instead of {expected}")
-        specs[name] = TensorSpec(name=name, file=path, dtype=dtype, shape=shape, nbytes=end - begin)
+        specs[name] = TensorSpec(name=name, file=path, dtype=dtype, shape=shape, nbytes=end - begin,
+                                 offset=8 + length + begin)
     return specs
 
 
@@ -336,7 +338,13 @@ def _pickle_message(folder: Path, names: list[str]) -> str:
 
 
 class _Reader:
-    """Memory-mapped ``safe_open`` handles, opened on first use and closed with the ExitStack."""
+    """Reads one tensor at a time with plain file reads into a fresh tensor.
+
+    Not memory-mapped on purpose: a mapped checkpoint's pages count in the process's resident memory
+    for as long as the mapping (and any tensor viewing it) lives, so a mapped load of a 15 GB checkpoint
+    shows 15 GB more host RSS than the base it keeps. A read tensor owns its bytes and is freed as soon as
+    the store has its copy; the page cache is the kernel's, not the process's.
+    """
 
     def __init__(self, stack: contextlib.ExitStack) -> None:
         self.stack = stack
@@ -347,21 +355,27 @@ class _Reader:
         return lambda: self.read(spec)
 
     def read(self, spec: TensorSpec) -> torch.Tensor:
-        from safetensors import SafetensorError, safe_open
-
+        if spec.dtype not in _FLOAT_DTYPES:
+            raise LoaderError(f"{spec.file}: tensor {spec.name!r} has dtype {spec.dtype}, not a float type")
+        buffer = torch.empty(spec.nbytes, dtype=torch.uint8)
         try:
             handle = self.handles.get(spec.file)
             if handle is None:
-                handle = self.handles[spec.file] = self.stack.enter_context(safe_open(spec.file, framework="pt",
-                                                                                      device="cpu"))
-            tensor = handle.get_tensor(spec.name)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+                handle = self.handles[spec.file] = self.stack.enter_context(open(spec.file, "rb", buffering=0))
+            handle.seek(spec.offset)
+            view, got = memoryview(buffer.numpy()), 0
+            while got < spec.nbytes:
+                n = handle.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        except OSError as e:
             raise LoaderError(f"{spec.file}: cannot read tensor {spec.name!r} ({e})") from None
-        if tuple(tensor.shape) != spec.shape or tensor.dtype != _FLOAT_DTYPES[spec.dtype]:
-            raise LoaderError(f"{spec.file}: tensor {spec.name!r} read as {tensor.dtype} {list(tensor.shape)}, "
-                              f"header says {spec.dtype} {list(spec.shape)} (corrupt file?)")
+        if got != spec.nbytes:
+            raise LoaderError(f"{spec.file}: truncated: tensor {spec.name!r} needs {spec.nbytes} bytes at offset "
+                              f"{spec.offset}, the file gave {got} (re-download or re-save it)")
         self.bytes_read += spec.nbytes
-        return tensor
+        return buffer.view(_FLOAT_DTYPES[spec.dtype]).view(spec.shape)
 
 
 # -- building the model -----------------------------------------------------------------------------
@@ -642,6 +656,9 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}\0{name}".encode()).digest()[:8], "little") >> 1
 
 
+_RANDOM_CHUNK_ELEMENTS = 16 * 2**20  # fp32 values generated per call: 64 MB on the device at most
+
+
 def _random_fetcher(model: nn.Module, name: str, meta: torch.Tensor, seed: int, std: float,
                     compute: torch.device) -> Callable[[], torch.Tensor]:
     owner_name, attr = _split(name)
@@ -655,13 +672,23 @@ def _random_fetcher(model: nn.Module, name: str, meta: torch.Tensor, seed: int, 
         kind = "normal"
     padding_idx = getattr(owner, "padding_idx", None) if isinstance(owner, nn.Embedding) else None
 
+    # a decoder linear is quantized on the compute device; everything else goes to the host store as it is
+    # made, so only the chunk being generated is on the device (a 72B's embedding is 2.5 GB in bf16)
+    target = compute if _is_nf4_weight(owner, attr) else torch.device("cpu")
+
     def fetch() -> torch.Tensor:
         if kind == "zeros":
-            return torch.zeros(shape, dtype=COMPUTE_DTYPE, device=compute)
+            return torch.zeros(shape, dtype=COMPUTE_DTYPE, device=target)
         if kind == "ones":
-            return torch.ones(shape, dtype=COMPUTE_DTYPE, device=compute)
+            return torch.ones(shape, dtype=COMPUTE_DTYPE, device=target)
         g = torch.Generator(device=compute).manual_seed(_tensor_seed(seed, name))
-        w = (torch.randn(shape, generator=g, dtype=torch.float32, device=compute) * std).to(COMPUTE_DTYPE)
+        w = torch.empty(shape, dtype=COMPUTE_DTYPE, device=target)
+        rows = w.view(-1, shape[-1]) if w.dim() else w.view(1, 1)
+        step = max(1, _RANDOM_CHUNK_ELEMENTS // rows.shape[1])
+        for start in range(0, rows.shape[0], step):
+            part = torch.randn((min(step, rows.shape[0] - start), rows.shape[1]), generator=g, dtype=torch.float32,
+                               device=compute)
+            rows[start:start + part.shape[0]].copy_(part * std)  # copy_ rounds to bf16 as .to() does
         if padding_idx is not None:
             w[padding_idx].zero_()
         return w
