@@ -99,11 +99,10 @@ def block_partition(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     _unshare_loads(graph)
     for n in graph.nodes:
         if n.target is LOAD and n.meta.get(FORWARD):
-            entry = schedule.host_inputs.get(n.args[0].name)
+            name, nbytes = schedule.load_source(n)
             block = schedule.blocks[n.meta[BLOCK]]
-            if entry is not None:
-                block.weights.append(entry.name)
-                block.nbytes += entry.nbytes
+            block.weights.append(name)
+            block.nbytes += nbytes
     return gm
 
 

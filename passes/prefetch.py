@@ -3,7 +3,9 @@
 Blocks are taken in the order the graph runs them (embed, layers, head in the forward; head, then
 layers in reverse in the backward, where each block's loads feed its recompute). The loads of the
 i-th block in that order move to just before the first op of block ``i - prefetch`` (of block ``i``
-itself with ``prefetch=0``), so at most ``1 + prefetch`` blocks of base weights are resident.
+itself with ``prefetch=0``), so at most ``1 + prefetch`` blocks of base weights are resident. A
+chunked head (``prepare``'s ``head_chunks``) reads its weight as row slices, one load each: every
+chunk is a group of its own, ordered like a block, so the head is never resident whole.
 
 Before (forward, prefetch=1; loads sit where the module read its weight)::
 
@@ -24,6 +26,7 @@ After::
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from poros_fx.ops import LOAD
@@ -33,6 +36,17 @@ from .block_partition import BLOCK
 from .rng import PHASE
 
 
+GROUP = "poros_prefetch_group"  # index of the load's group in the order the graph runs them
+
+
+def chunk_of(load: fx.Node) -> int | None:
+    """The first row of the slice a chunked head's load reads (``None`` for a whole tensor)."""
+    src = load.args[0]
+    if getattr(src, "op", None) == "call_function" and src.target is torch.ops.aten.slice.Tensor:
+        return int(src.args[2])
+    return None
+
+
 def prefetch(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     phase = gm.meta[PHASE]
     nodes = list(gm.graph.nodes)
@@ -40,24 +54,39 @@ def prefetch(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     loads = [n for n in nodes if n.target is LOAD]
     if not loads:
         return gm
-    first_op: dict[int, fx.Node] = {}
+    group_of = {ld: (ld.meta[BLOCK], chunk_of(ld)) for ld in loads}
+    first_op: dict[tuple[int, int | None], fx.Node] = {}
     for n in nodes:
         if n.op == "call_function" and n.target is not LOAD and BLOCK in n.meta:
-            first_op.setdefault(n.meta[BLOCK], n)
-    # a load must also precede its own first reader, whatever block that reader was put in
+            first_op.setdefault((n.meta[BLOCK], None), n)
+    # a load must also precede its own first reader, whatever block that reader was put in; a head
+    # chunk's group starts at its first reader
     for ld in loads:
         reader = min(ld.users, key=position.__getitem__)
-        b = ld.meta[BLOCK]
-        if b not in first_op or position[reader] < position[first_op[b]]:
-            first_op[b] = reader
-    order = sorted({ld.meta[BLOCK] for ld in loads}, key=lambda b: position[first_op[b]])
-    for i, block in enumerate(order):
-        anchor_block = order[max(0, i - schedule.prefetch)]
-        anchor = first_op[anchor_block]
-        for ld in (n for n in loads if n.meta[BLOCK] == block):
-            anchor.prepend(ld)
-            entry = schedule.host_inputs.get(ld.args[0].name)
-            schedule.loads.append(Load(phase=phase, block=block, weight=entry.name if entry else ld.args[0].name,
-                                       nbytes=entry.nbytes if entry else 0, issued_before_block=anchor_block))
+        group = group_of[ld]
+        if group not in first_op or position[reader] < position[first_op[group]]:
+            first_op[group] = reader
+    order = sorted(set(group_of.values()), key=lambda g: position[first_op[g]])
+    for i, group in enumerate(order):
+        anchor_group = order[max(0, i - schedule.prefetch)]
+        anchor = first_op[anchor_group]
+        for ld in (n for n in loads if group_of[n] == group):
+            _move_before(ld, anchor, position)
+            ld.meta[GROUP] = i
+            name, nbytes = schedule.load_source(ld)
+            schedule.loads.append(Load(phase=phase, block=group[0], weight=name, nbytes=nbytes,
+                                       issued_before_block=anchor_group[0]))
     gm.graph.lint()
     return gm
+
+
+def _move_before(load: fx.Node, anchor: fx.Node, position: dict[fx.Node, int]) -> None:
+    """Put ``load`` (and the host-side views it reads, for a head chunk) right before ``anchor``."""
+    src = load.args[0]
+    chain = []
+    while getattr(src, "op", None) == "call_function" and position[src] > position[anchor]:
+        chain.append(src)
+        src = src.args[0]
+    for view in reversed(chain):
+        anchor.prepend(view)
+    anchor.prepend(load)

@@ -4,7 +4,8 @@ The min-cut partitioner then saves only what crosses a region boundary (one hidd
 plus small values such as rotary tables) and reruns each block's interior, its ``poros::load`` calls
 included, just before that block's gradients. A loaded weight is never saved: ``MUST_RECOMPUTE``
 nodes are banned from the saved set, so the backward reloads the block instead of receiving the
-forward's device copy. With ``stream=False`` nothing is tagged and the default partition saves.
+forward's device copy. With ``stream=False`` nothing is tagged and the default partition saves. A
+head loaded in row chunks keeps only its loads tagged (see below): its logits are saved, not rerun.
 
 Before (joint graph, ``meta`` shown in brackets)::
 
@@ -26,16 +27,27 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from poros_fx.ops import LOAD
 from poros_fx.schedule import Schedule
 
 from .block_partition import BLOCK, FORWARD
+from .prefetch import chunk_of
+from .residency import aliases
 
 
 def recompute(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     if not schedule.stream:
         return gm
+    loads = [n for n in gm.graph.nodes if n.target is LOAD and n.meta.get(FORWARD)]
+    # A chunked head: its backward reads each weight chunk once more (dlogits_c @ W_c), after the loss
+    # backward has read all the logits. Recomputing the logits would need every chunk loaded at once, so
+    # only the chunk loads (their host slices and views) are recomputed; the min-cut saves the logits.
+    chunked = {ld.meta[BLOCK] for ld in loads if chunk_of(ld) is not None}
+    reloaded = {a for ld in loads if ld.meta[BLOCK] in chunked for a in (*aliases(ld), *ld.all_input_nodes)}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.meta.get(FORWARD):
+            if n.meta[BLOCK] in chunked and n not in reloaded:
+                continue
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = n.meta[BLOCK] + 1
     return gm

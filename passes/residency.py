@@ -35,6 +35,7 @@ from poros_fx.ops import LOAD
 from poros_fx.schedule import Evict, Schedule
 
 from .block_partition import BLOCK
+from .prefetch import GROUP
 from .rng import PHASE
 
 
@@ -57,10 +58,13 @@ def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     position = {n: i for i, n in enumerate(graph.nodes)}
     output = next(iter(graph.find_nodes(op="output")))
     loads = [n for n in graph.nodes if n.target is LOAD]
-    last_in_group = {ld: ld.next.target is not LOAD for ld in loads}
+    # the prefetch pass numbered each load's group; the runtime records one copy-done event per group
+    last_in_group = {ld: nxt is None or GROUP not in ld.meta or nxt.meta.get(GROUP) != ld.meta[GROUP]
+                     for ld, nxt in zip(loads, [*loads[1:], None])}
     for ld in loads:
         host, device = ld.args
         block = ld.meta[BLOCK]
+        weight, _ = schedule.load_source(ld)
         ld.target = runtime.load
         ld.args = (host, device, block, last_in_group[ld])
         if not schedule.stream:
@@ -79,9 +83,7 @@ def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
                 wait = graph.call_function(runtime.wait, (ld,))
             wait.meta[BLOCK] = block
             ld.replace_all_uses_with(wait, delete_user_cb=lambda user: user not in (wait, ev))
-        entry = schedule.host_inputs.get(host.name)
-        schedule.evicts.append(Evict(phase=phase, block=block, weight=entry.name if entry else host.name,
-                                     after_node=last.name))
+        schedule.evicts.append(Evict(phase=phase, block=block, weight=weight, after_node=last.name))
     graph.lint()
     gm.recompile()
     return gm

@@ -95,13 +95,30 @@ def module_blocks(family: Family, num_layers: int, block_size: int) -> Callable[
     return block_of
 
 
+HEAD_CHUNK_BYTES = 256 * 2**20  # an lm_head over twice this is loaded in row chunks of about this size
+
+
+def head_chunk_count(nbytes: int, rows: int, requested: int | None = None) -> int:
+    """How many row chunks an lm_head of ``nbytes`` is loaded in: ``requested``, or (``None``) one while
+    it is at most ``2 x HEAD_CHUNK_BYTES`` and chunks of about ``HEAD_CHUNK_BYTES`` above that."""
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise PorosConfigError(f"head_chunks must be an integer >= 1 (or None: automatic), got {requested!r}")
+        return min(requested, rows)
+    return 1 if nbytes <= 2 * HEAD_CHUNK_BYTES else min(rows, -(-nbytes // HEAD_CHUNK_BYTES))
+
+
 def prepare(model: nn.Module, device: str | torch.device | None = None, block_size: int = 1, prefetch: int = 1,
-            *, family: Family | None = None) -> nn.Module:
+            *, family: Family | None = None, head_chunks: int | None = None) -> nn.Module:
     """Move the frozen base of ``model`` into a host store; returns ``model`` (changed in place).
 
     ``device`` is the compute device (``None``: CUDA when present, else CPU). ``block_size`` decoder
     layers are streamed together; ``prefetch`` blocks are loaded ahead of the one computing.
     ``family`` registers an architecture that is not validated (``poros_fx.user_asserted(...)``).
+    ``head_chunks``: row chunks the lm_head weight is loaded in (``None``: one up to 512 MiB, chunks of
+    about 256 MiB above, so a 32B/72B head, 1.6/2.5 GB in bf16, is never resident whole). Chunked, the
+    logits are ``cat`` of per-chunk matmuls: exact against ``stream=False`` (same graph), but no longer
+    bitwise equal to an eager run's single matmul (its backward sums the chunks' products).
     """
     check_block_options(block_size, prefetch)
     device = resolve_device(device)
@@ -144,7 +161,19 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
                 readers.add(block_of(mod_name))
 
     store.arena = HostArena(_arena_bytes(owners))
-    classes: dict[type, type] = {}
+    head = lm.get_output_embeddings() if callable(getattr(lm, "get_output_embeddings", None)) else None
+    chunked_head = None
+    if head is not None and type(head).forward is nn.Linear.forward and not head.weight.requires_grad:
+        count = head_chunk_count(head.weight.numel() * head.weight.element_size(), head.out_features, head_chunks)
+        if count > 1:
+            chunked_head = head
+            bounds = [round(i * head.out_features / count) for i in range(count + 1)]
+            head._poros_row_chunks = tuple(zip(bounds[:-1], bounds[1:]))
+            store.head_chunks = count
+    elif head_chunks not in (None, 1):
+        raise PorosConfigError(f"head_chunks={head_chunks!r}: this model's output layer is not a frozen nn.Linear "
+                               f"({type(head).__name__}); it can only be loaded whole")
+    classes: dict[tuple[type, bool], type] = {}
     for mod_name, module, frozen in owners:
         if _is_linear4bit(module):
             _move_linear4bit(store, mod_name, module, reader_blocks)
@@ -153,9 +182,10 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
             _move_param(store, f"{mod_name}.{n}" if mod_name else n, module._parameters[n],
                         tuple(sorted(reader_blocks[id(module._parameters[n])])))
         original = type(module)
-        if original not in classes:
-            classes[original] = _poros_class(original, module)
-        module.__class__ = classes[original]
+        key = (original, module is chunked_head)
+        if key not in classes:
+            classes[key] = _poros_class(original, module, chunked=module is chunked_head)
+        module.__class__ = classes[key]
         module._poros_device = device
         module._poros_frozen = tuple(frozen)
         store.undo.append(lambda module=module, original=original: _restore_class(module, original))
@@ -312,8 +342,10 @@ def _load_property(name: str) -> property:
     return property(get, doc=f"{name}, loaded from the poros host store onto the compute device")
 
 
-def _poros_class(original: type, module: nn.Module) -> type:
+def _poros_class(original: type, module: nn.Module, chunked: bool = False) -> type:
     namespace: dict[str, Any] = {"__module__": original.__module__, "_poros_original_class": original}
+    if chunked:
+        namespace["forward"] = _chunked_linear_forward
     if _is_linear4bit(module):
         namespace["forward"] = _linear4bit_forward
         namespace["bias"] = _load_property("bias")
@@ -327,7 +359,7 @@ def _poros_class(original: type, module: nn.Module) -> type:
 
 def _restore_class(module: nn.Module, original: type) -> None:
     module.__class__ = original
-    for attr in ("_poros_device", "_poros_frozen", "_poros_quant_state"):
+    for attr in ("_poros_device", "_poros_frozen", "_poros_quant_state", "_poros_row_chunks"):
         module.__dict__.pop(attr, None)
 
 
@@ -348,6 +380,17 @@ def _embedding_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """``nn.Embedding.forward`` with the rows gathered from the host store (padding_idx,
     scale_grad_by_freq and sparse only shape the table's gradient, and the table is frozen)."""
     return ops.gather(self._parameters["weight"], input, self._poros_device)
+
+
+def _chunked_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` with the weight loaded in row chunks: each chunk's rows are loaded, give
+    their slice of the output features, and are dead before the next chunk's matmul."""
+    weight, bias, device = self._parameters["weight"], self._parameters.get("bias"), self._poros_device
+    outs = []
+    for start, stop in self._poros_row_chunks:
+        b = None if bias is None else bias[start:stop] if bias.requires_grad else ops.load(bias[start:stop], device)
+        outs.append(torch.nn.functional.linear(x, ops.load(weight[start:stop], device), b))
+    return torch.cat(outs, dim=-1)
 
 
 def _linear4bit_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -71,6 +71,19 @@ class Schedule:
     runtime: Any = None  # runtime.executor.GraphRuntime of the graph being compiled
     graphs: dict[str, Any] = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> final GraphModule
 
+    def load_source(self, load: Any) -> tuple[str, int]:
+        """(host-store name, bytes copied) of a ``poros.load`` node; a chunked head's load reads a row
+        slice of its host tensor (``lm_head.weight[rows 0:19008]``)."""
+        src, rows = load.args[0], ""
+        while getattr(src, "op", None) == "call_function":  # views of the host tensor (head chunks)
+            if src.target is torch.ops.aten.slice.Tensor and not rows:
+                rows = f"[rows {src.args[2]}:{src.args[3]}]"
+            src = src.args[0]
+        entry = self.host_inputs.get(getattr(src, "name", ""))
+        val = load.meta.get("val")
+        nbytes = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else (entry.nbytes if entry else 0)
+        return (entry.name if entry else getattr(src, "name", str(src))) + rows, nbytes
+
     def block_name(self, index: int) -> str:
         return self.blocks[index].name if 0 <= index < len(self.blocks) else f"block{index}"
 

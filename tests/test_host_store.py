@@ -63,3 +63,43 @@ def test_embedding_gathers_rows_inside_the_compiled_graph():
     gathers = [n for n in fw.graph.nodes if n.target is ops.GATHER]
     assert len(gathers) == 1 and gathers[0].meta["poros_block"] == 0
     assert not any(ld.block == 0 for ld in schedule.loads), "the embed block loads no table"
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_chunked_head_is_exact_and_never_resident_whole(prefetch):
+    """A head loaded in row chunks: streamed == stream=False on every surface, each chunk its own
+    prefetch group, and the whole lm_head weight never on the device at once."""
+    from poros_fx.parity import SURFACES, compare, format_diffs, train
+    from poros_fx.tiny import demo_batches, lora_model, tiny_config
+
+    config = tiny_config("qwen2", layers=2, vocab=4096)  # a head 4x larger than a layer, as at 32B-72B
+    batches = demo_batches(4, vocab=4096, seq=16)
+    runs = {}
+    for stream in (True, False):
+        torch._dynamo.reset()
+        model = lora_model(config, dropout=0.1)
+        poros_fx.prepare(model, device="cpu", prefetch=prefetch, head_chunks=4)
+        runs[stream] = train(model, torch.compile(model, backend="poros", options={"stream": stream}), batches,
+                             accumulate=2)
+        if stream:
+            store = get_store(model)
+            s = poros_fx.stats(model)
+            head_weight = model.get_base_model().lm_head.weight
+            head_bytes = head_weight.numel() * head_weight.element_size()
+            (schedule,) = store.schedules
+            chunk_loads = [ld for ld in schedule.loads if "lm_head.weight[rows" in ld.weight]
+            assert len(chunk_loads) == 8 and {ld.nbytes for ld in chunk_loads} == {head_bytes // 4}  # 4 fw + 4 bw
+            assert s["peak_resident_base_bytes"] < head_bytes
+            assert s["peak_resident_base_bytes"] <= (1 + prefetch) * max(max(s["block_bytes"][1:-1]), head_bytes // 4 + 4096)
+    diffs = compare(runs[True], runs[False])
+    assert diffs == {k: 0.0 for k in SURFACES}, format_diffs("chunked head: streamed vs stream=False", diffs)
+
+
+def test_head_chunks_is_automatic_above_512_mib():
+    from poros_fx.prepare import head_chunk_count
+
+    assert head_chunk_count(272 * 2**20, 151936) == 1  # Qwen2.5-0.5B's tied head: whole
+    assert head_chunk_count(1557 * 2**20, 152064) == 7  # 32B: 1.56 GB in chunks of <= 256 MiB
+    assert head_chunk_count(10, 5, requested=9) == 5
+    with pytest.raises(poros_fx.PorosConfigError, match="head_chunks"):
+        head_chunk_count(10, 5, requested=0)

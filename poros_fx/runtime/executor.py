@@ -42,11 +42,12 @@ class GraphRuntime:
 
     def load(self, host: torch.Tensor, device: torch.device, block: int, last_in_group: bool = True) -> torch.Tensor:
         if not self.stream:
-            cached = self.store.resident_cache.get(id(host))
+            key = (host.data_ptr(), tuple(host.shape), host.dtype)  # a head chunk's slice is new every run
+            cached = self.store.resident_cache.get(key)
             if cached is None:
                 cached = self._allocate(host, device, block)
                 cached.copy_(host.detach())
-                self.store.resident_cache[id(host)] = cached
+                self.store.resident_cache[key] = cached
                 self.store.ledger.on_load(cached.untyped_storage().nbytes())
             return cached
         out = self._allocate(host, device, block)

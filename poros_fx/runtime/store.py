@@ -44,7 +44,8 @@ class HostStore:
     entries: dict[int, HostEntry] = dataclasses.field(default_factory=dict)  # id(host) -> entry
     arena: HostArena | None = None  # the one host allocation every entry's tensor is a view of
     ledger: ResidencyLedger = dataclasses.field(default_factory=ResidencyLedger)
-    resident_cache: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # stream=False copies
+    resident_cache: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)  # stream=False copies
+    head_chunks: int = 1  # row chunks the lm_head weight is loaded in
     undo: list[Any] = dataclasses.field(default_factory=list)  # callables that reverse prepare, in order
     schedules: list[Any] = dataclasses.field(default_factory=list)  # one per graph the backend compiled
     _copy_stream: Any = dataclasses.field(default=None, repr=False)
