@@ -381,6 +381,26 @@ def test_cuda_nf4_equals_bitsandbytes_config_load(tmp_path):
 
 
 @pytest.mark.gpu
+def test_cuda_nf4_equals_bitsandbytes_config_load_05b(tmp_path):
+    """The byte-identity check at the Qwen2.5-0.5B shape, with a bf16 checkpoint written here."""
+    from poros_fx.tiny import qwen25_config
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(qwen25_config("0.5b"), dtype=torch.bfloat16).save_pretrained(
+        tmp_path / "q05", max_shard_size="300MB")
+    model = load_pretrained(tmp_path / "q05", "nf4", device="cuda", lora=lora_config(), progress=False)
+    bnb_config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                 bnb_4bit_use_double_quant=True,
+                                                 bnb_4bit_compute_dtype=torch.bfloat16)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q05", dtype=torch.bfloat16, device_map="cuda",
+                                                            quantization_config=bnb_config)
+    ref = poros_fx.prepare(peft.get_peft_model(ref, lora_config()), device="cuda")
+    got, want = store_manifest(model), store_manifest(ref)
+    assert sum(k.endswith(".quant_state.absmax2") for k in got) == 7 * 24
+    assert got == want
+
+
+@pytest.mark.gpu
 def test_cuda_from_config_trains_one_step():
     config = tiny_config("qwen2", layers=2)
     kwargs = dict(device="cuda", lora=lora_config(), progress=False)
