@@ -28,7 +28,8 @@ Per row: median seconds per optimizer step over ``--steps`` steps after ``--warm
 (``torch.cuda.synchronize`` around ``time.perf_counter`` on CUDA), ``max_memory_allocated`` over the
 whole row (warm-up and compilation included; null on CPU), achieved H2D GB/s (the poros store's
 ``bytes_loaded`` during the timed steps over their time; poros rows only), the floor
-``2 x base bytes x accum / pinned bandwidth`` (each micro-batch streams the base forward and again
+``2 x streamed bytes x accum / pinned bandwidth`` (streamed bytes: what the blocks load in one pass,
+the base without the gathered embedding table; each micro-batch streams it forward and again
 for the backward; null on CPU), the first step's extra seconds over the median (compiled methods),
 and the ratio of s/step to ``peft_resident`` of the same model, seq and accum (recomputed over the
 whole merged file). A row that fails records ``"error": "ExceptionClass: first line"`` and the run
@@ -370,15 +371,19 @@ def _empty_row(spec: RowSpec) -> dict[str, Any]:
 
 
 def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchConfig, pinned_gbps: float | None,
-            base_bytes: int) -> dict[str, Any]:
-    """One row: set the method up on the shared model, warm up, time ``config.steps`` optimizer steps."""
+            base_bytes: int, streamed_bytes: int) -> dict[str, Any]:
+    """One row: set the method up on the shared model, warm up, time ``config.steps`` optimizer steps.
+
+    ``base_bytes``: the host store's size; ``streamed_bytes``: what one pass loads (every block once:
+    the embedding's table is gathered, not loaded), the floor's numerator."""
     from .stats import stats
 
     device = holder.device
     row = _empty_row(spec)
     row["base_gb"] = round(base_bytes / 1e9, 3)
+    row["streamed_gb"] = round(streamed_bytes / 1e9, 3)
     if pinned_gbps:
-        row["floor_s"] = round(2 * base_bytes * spec.accum / (pinned_gbps * 1e9), 4)
+        row["floor_s"] = round(2 * streamed_bytes * spec.accum / (pinned_gbps * 1e9), 4)
     model = holder.ensure(method.state)
     params = [p for p in model.parameters() if p.requires_grad]
     batches = _batches(holder.config.vocab_size, spec.seq, spec.accum, config.batch, device, config.seed)
@@ -450,6 +455,7 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
     Returns the merged document. A row's failure is recorded in its ``error`` and the run goes on.
     """
     from .loader import estimate_host_bytes
+    from .sizes import block_bytes
     from .prepare import resolve_device
 
     started = time.perf_counter()
@@ -493,7 +499,7 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
         else:
             try:
                 row = run_row(holder, methods[spec.method], spec, config, env["pinned_h2d_gbps"],
-                              estimate_host_bytes(holder.config, "nf4"))
+                              estimate_host_bytes(holder.config, "nf4"), sum(block_bytes(holder.config, "nf4")[1]))
             except Exception as e:  # noqa: BLE001 - OOM or any failure: record it and go on
                 row["error"] = _error(e)
             # freed here, after the except block: until then the traceback keeps the failed step's tensors
@@ -616,7 +622,7 @@ def markdown(doc: dict[str, Any]) -> str:
              f"{env.get('transformers')}, peft {env.get('peft')}, bitsandbytes {env.get('bitsandbytes')}; pinned H2D "
              f"{_fmt(env.get('pinned_h2d_gbps'), 1)} GB/s. Random-init Qwen2.5 shapes, NF4 base, LoRA r16 alpha 32 "
              "on all seven projections, AdamW, batch 1. s/step: median after warm-up; peak: max_memory_allocated; "
-             "floor: 2 x base bytes x accum / pinned bandwidth; ratio: s/step over peft_resident's.", "",
+             "floor: 2 x bytes loaded per pass (every block once) x accum / pinned bandwidth; ratio: s/step over peft_resident's.", "",
              "Command line(s):", ""]
     lines += [f"    {c}" for c in env.get("commands", [])] + [""]
     for run_env in env.get("runs", []):
