@@ -37,6 +37,7 @@ from torch import nn
 from .errors import PorosConfigError, PorosError
 from .families import Family, resolve
 from .prepare import check_block_options, prepare, resolve_device, unwrap
+from .runtime.arena import HostArena, aligned
 from .sizes import nf4_bytes
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     import transformers
 
 Quantization = Literal["nf4", "bf16"]
+Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]  # (shape, dtype) -> a host tensor to fill
+Fetch = Callable[[Alloc], torch.Tensor]  # produces one tensor; host tensors it makes come from the Alloc
 
 COMPUTE_DTYPE = torch.bfloat16  # dtype of every unquantized base tensor and of the NF4 compute
 NF4_BLOCKSIZE = 64  # bitsandbytes' (and BitsAndBytesConfig's) default for NF4
@@ -114,13 +117,15 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
         reader = _Reader(files)
         total = sum(s.nbytes for _, s in plan)
         with _progress(f"loading {Path(folder).name}", total, len(plan), progress) as advance:
-            peak = _materialize(model, [(names, reader.fetcher(spec)) for names, spec in plan], compute, advance)
+            arena = HostArena(_arena_capacity(model))
+            peak = _materialize(model, [(names, reader.fetcher(spec)) for names, spec in plan], compute, advance,
+                                arena)
     _rebuild_buffers(model, config)
     _load_generation_config(model, folder)
     report = LoadReport(source=str(folder), quantization=quantization, device=str(compute), tensors=len(plan),
                         bytes_read=reader.bytes_read, host_bytes=host_bytes, peak_inflight_bytes=peak,
                         seconds=0.0)
-    return _finish(model, lora, compute, block_size, prefetch, family, report, started)
+    return _finish(model, lora, compute, block_size, prefetch, family, report, started, arena)
 
 
 def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", quantization: Quantization = "nf4",
@@ -152,11 +157,12 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
     total = sum(_numel(meta) * _itemsize(COMPUTE_DTYPE) for _, meta in groups)
     with _progress(f"initializing {getattr(config, 'model_type', 'model')} (seed {seed})", total, len(jobs),
                    progress) as advance:
-        peak = _materialize(model, jobs, compute, advance)
+        arena = HostArena(_arena_capacity(model))
+        peak = _materialize(model, jobs, compute, advance, arena)
     _rebuild_buffers(model, config)
     report = LoadReport(source=source, quantization=quantization, device=str(compute), tensors=len(jobs),
                         bytes_read=0, host_bytes=host_bytes, peak_inflight_bytes=peak, seconds=0.0)
-    return _finish(model, lora, compute, block_size, prefetch, family, report, started)
+    return _finish(model, lora, compute, block_size, prefetch, family, report, started, arena)
 
 
 def load_report(model: nn.Module) -> LoadReport:
@@ -351,13 +357,14 @@ class _Reader:
         self.handles: dict[Path, Any] = {}
         self.bytes_read = 0
 
-    def fetcher(self, spec: TensorSpec) -> Callable[[], torch.Tensor]:
-        return lambda: self.read(spec)
+    def fetcher(self, spec: TensorSpec) -> "Fetch":
+        return lambda alloc: self.read(spec, alloc)
 
-    def read(self, spec: TensorSpec) -> torch.Tensor:
+    def read(self, spec: TensorSpec, alloc: "Alloc" = lambda shape, dtype: torch.empty(shape, dtype=dtype)) -> torch.Tensor:
         if spec.dtype not in _FLOAT_DTYPES:
             raise LoaderError(f"{spec.file}: tensor {spec.name!r} has dtype {spec.dtype}, not a float type")
-        buffer = torch.empty(spec.nbytes, dtype=torch.uint8)
+        tensor = alloc(spec.shape, _FLOAT_DTYPES[spec.dtype])
+        buffer = tensor.reshape(-1).view(torch.uint8)
         try:
             handle = self.handles.get(spec.file)
             if handle is None:
@@ -375,7 +382,7 @@ class _Reader:
             raise LoaderError(f"{spec.file}: truncated: tensor {spec.name!r} needs {spec.nbytes} bytes at offset "
                               f"{spec.offset}, the file gave {got} (re-download or re-save it)")
         self.bytes_read += spec.nbytes
-        return buffer.view(_FLOAT_DTYPES[spec.dtype]).view(spec.shape)
+        return tensor
 
 
 # -- building the model -----------------------------------------------------------------------------
@@ -528,20 +535,30 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _materialize(model: nn.Module, jobs: list[tuple[list[str], Callable[[], torch.Tensor]]], compute: torch.device,
-                 advance: Callable[[int], None]) -> int:
+def _materialize(model: nn.Module, jobs: list[tuple[list[str], Fetch]], compute: torch.device,
+                 advance: Callable[[int], None], arena: HostArena) -> int:
     """Fill the meta model: for each group, fetch its tensor, convert it, set it under every name, free it.
 
-    Returns the peak bytes of fetched tensors not yet set into the model (what is in flight).
+    Every parameter ends in ``arena``, the host store's exact-size allocation ``prepare`` adopts: a tensor
+    kept as it is fetched (a bf16 checkpoint's embedding, norms) is read or generated straight into its
+    place there, anything converted first (quantized, cast) is copied in and its source freed. Returns
+    the peak bytes of fetched tensors not yet set into the model (what is in flight).
     """
     peak = 0
     for names, fetch in jobs:
         owner_name, attr = _split(names[0])
         owner = model.get_submodule(owner_name)
         meta = getattr(owner, attr)
-        raw = fetch()
         # an NF4 skeleton's weight is float32 on meta; bitsandbytes quantizes the bf16 weight, as from_pretrained
         target_dtype = COMPUTE_DTYPE if _is_nf4_weight(owner, attr) else meta.dtype
+        kept_as_fetched = attr not in owner._buffers and not _is_nf4_weight(owner, attr)
+
+        def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            if kept_as_fetched and dtype == target_dtype:
+                return arena.reserve(tuple(shape), dtype)
+            return torch.empty(shape, dtype=dtype)
+
+        raw = fetch(alloc)
         value = raw.to(target_dtype)
         inflight = _nbytes(raw) + (_nbytes(value) if value is not raw else 0)
         if _is_nf4_weight(owner, attr):
@@ -549,10 +566,13 @@ def _materialize(model: nn.Module, jobs: list[tuple[list[str], Callable[[], torc
                 raise LoaderError(f"{names}: a tied NF4 weight is not supported")
             stored, device_bytes = _quantize_nf4(value, compute)
             inflight += device_bytes
+            _place_nf4(stored, arena)
         elif value.device.type != "cpu":
             stored = value.to("cpu")
         else:
             stored = value
+        if kept_as_fetched:
+            stored = arena.place(stored)  # a no-op when it was read or generated in place
         peak = max(peak, inflight)
         if attr in owner._buffers:
             for name in names:
@@ -570,6 +590,37 @@ def _materialize(model: nn.Module, jobs: list[tuple[list[str], Callable[[], torc
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _place_nf4(q: torch.Tensor, arena: HostArena) -> None:
+    """Move a host ``Params4bit``'s packed weight and the quant-state tensors ``prepare`` keeps into the arena."""
+    q.data = arena.place(q.data)
+    qs = q.quant_state
+    qs.absmax = arena.place(qs.absmax)
+    if qs.nested:
+        qs.offset = arena.place(qs.offset)
+        qs.state2.absmax = arena.place(qs.state2.absmax)
+        qs.state2.code = arena.place(qs.state2.code)
+
+
+def _arena_capacity(model: nn.Module) -> int:
+    """The host arena's exact size for this (meta) model: what ``prepare`` will keep of every parameter,
+    each tensor aligned as the arena places it (NF4: packed weight, absmax, and nested: offset, the
+    nested absmax and its code)."""
+    total = 0
+    for names, meta in _param_groups(model):
+        owner_name, attr = _split(names[0])
+        owner = model.get_submodule(owner_name)
+        if attr in owner._buffers:
+            continue
+        if _is_nf4_weight(owner, attr):
+            numel = _numel(meta)
+            blocks = math.ceil(numel / NF4_BLOCKSIZE)
+            total += aligned((numel + 1) // 2) + aligned(blocks) + aligned(4) + aligned(
+                4 * math.ceil(blocks / NESTED_BLOCKSIZE)) + aligned(4 * 256)
+        else:
+            total += aligned(_numel(meta) * meta.element_size())
+    return total
 
 
 def _quantize_nf4(weight: torch.Tensor, compute: torch.device) -> tuple[nn.Parameter, int]:
@@ -621,13 +672,13 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
 
 
 def _finish(model: nn.Module, lora: Any, compute: torch.device, block_size: int, prefetch: int,
-            family: Family | None, report: LoadReport, started: float) -> nn.Module:
+            family: Family | None, report: LoadReport, started: float, arena: HostArena) -> nn.Module:
     import peft
 
     model.eval()  # as from_pretrained returns it
     model = peft.get_peft_model(model, lora)
     _adapter_to(model, compute)
-    prepare(model, device=compute, block_size=block_size, prefetch=prefetch, family=family)
+    prepare(model, device=compute, block_size=block_size, prefetch=prefetch, family=family, _arena=arena)
     setattr(model, REPORT_ATTR, dataclasses.replace(report, seconds=time.perf_counter() - started))
     return model
 
@@ -660,7 +711,7 @@ _RANDOM_CHUNK_ELEMENTS = 16 * 2**20  # fp32 values generated per call: 64 MB on 
 
 
 def _random_fetcher(model: nn.Module, name: str, meta: torch.Tensor, seed: int, std: float,
-                    compute: torch.device) -> Callable[[], torch.Tensor]:
+                    compute: torch.device) -> Fetch:
     owner_name, attr = _split(name)
     owner = model.get_submodule(owner_name)
     shape = _nf4_logical_shape(owner) if _is_nf4_weight(owner, attr) else tuple(meta.shape)
@@ -676,13 +727,14 @@ def _random_fetcher(model: nn.Module, name: str, meta: torch.Tensor, seed: int, 
     # made, so only the chunk being generated is on the device (a 72B's embedding is 2.5 GB in bf16)
     target = compute if _is_nf4_weight(owner, attr) else torch.device("cpu")
 
-    def fetch() -> torch.Tensor:
+    def fetch(alloc: Alloc) -> torch.Tensor:
+        w = alloc(shape, COMPUTE_DTYPE) if target.type == "cpu" else torch.empty(shape, dtype=COMPUTE_DTYPE,
+                                                                                  device=target)
         if kind == "zeros":
-            return torch.zeros(shape, dtype=COMPUTE_DTYPE, device=target)
+            return w.zero_()
         if kind == "ones":
-            return torch.ones(shape, dtype=COMPUTE_DTYPE, device=target)
+            return w.fill_(1)
         g = torch.Generator(device=compute).manual_seed(_tensor_seed(seed, name))
-        w = torch.empty(shape, dtype=COMPUTE_DTYPE, device=target)
         rows = w.view(-1, shape[-1]) if w.dim() else w.view(1, 1)
         step = max(1, _RANDOM_CHUNK_ELEMENTS // rows.shape[1])
         for start in range(0, rows.shape[0], step):

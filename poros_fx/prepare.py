@@ -109,7 +109,8 @@ def head_chunk_count(nbytes: int, rows: int, requested: int | None = None) -> in
 
 
 def prepare(model: nn.Module, device: str | torch.device | None = None, block_size: int = 1, prefetch: int = 1,
-            *, family: Family | None = None, head_chunks: int | None = None) -> nn.Module:
+            *, family: Family | None = None, head_chunks: int | None = None,
+            _arena: HostArena | None = None) -> nn.Module:
     """Move the frozen base of ``model`` into a host store; returns ``model`` (changed in place).
 
     ``device`` is the compute device (``None``: CUDA when present, else CPU). ``block_size`` decoder
@@ -160,7 +161,10 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
             if not _gathers(module):  # a gathering embedding copies rows, not its table: no block load
                 readers.add(block_of(mod_name))
 
-    store.arena = HostArena(_arena_bytes(owners))
+    needed = _arena_bytes(owners)
+    if _arena is not None and _arena.capacity < needed:  # the loader's arena, already holding the tensors
+        raise AssertionError(f"the loader's host arena holds {_arena.capacity} bytes, prepare needs {needed}")
+    store.arena = _arena if _arena is not None else HostArena(needed)
     head = lm.get_output_embeddings() if callable(getattr(lm, "get_output_embeddings", None)) else None
     chunked_head = None
     if head is not None and type(head).forward is nn.Linear.forward and not head.weight.requires_grad:

@@ -105,6 +105,10 @@ def test_nf4_host_store_equals_standard_quantization(tmp_path, family, tied):
     config = transformers.AutoConfig.from_pretrained(path)
     assert report.host_bytes == stats["host_bytes"] == loader.estimate_host_bytes(config, "nf4")
     assert report.bytes_read == checkpoint_bytes(path)
+    # the loader filled the store's arena itself: prepare adopted it, every tensor in place, nothing left over
+    store = get_store(model)
+    assert store.arena.used == store.arena.capacity
+    assert all(store.arena.holds(e.host) for e in store.entries.values())
     # tensor by tensor: never more in flight than one decoder layer of the checkpoint
     specs = loader.read_checkpoint_index(path)
     layer_bytes = sum(s.nbytes for n, s in specs.items() if n.startswith("model.layers.0."))

@@ -4,8 +4,8 @@ torch's pinned caching allocator rounds every request up to a power of two and k
 pinning a base tensor by tensor can cost up to ~2x its bytes (a 72B NF4 base is 36 GB: 64 GB pinned).
 The arena instead allocates the base's exact size once (plus a few bytes of alignment per tensor) as
 ordinary pageable memory, fills it tensor by tensor (each source tensor is freed as soon as it is
-copied, and freed memory goes back to the OS every 256 MB, so host memory does not double while a
-model on the host is moved in) and, for a CUDA compute device,
+copied, and freed memory goes back to the OS every 64 MB, so host memory does not double while a
+model on the host is moved in; the loader even reads tensors straight into their place) and, for a CUDA compute device,
 page-locks the whole range with one ``cudaHostRegister`` at the end. Loads then copy from it
 asynchronously like from any pinned tensor.
 
@@ -16,6 +16,7 @@ unregistered before it can be freed.
 from __future__ import annotations
 
 import ctypes
+import math
 import sys
 import weakref
 
@@ -23,7 +24,7 @@ import torch
 
 ALIGN = 512  # bytes; every tensor starts on this boundary (DMA-friendly, and a multiple of any element size)
 PAGE = 4096
-TRIM_EVERY = 256 * 2**20  # bytes placed between two returns of freed source memory to the OS
+TRIM_EVERY = 64 * 2**20  # bytes placed between two returns of freed source memory to the OS
 
 
 def aligned(nbytes: int) -> int:
@@ -44,16 +45,30 @@ class HostArena:
         self._finalizer: weakref.finalize | None = None
         self._since_trim = 0
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` already lives in the arena (the loader fills it before ``prepare`` runs)."""
+        return t.device.type == "cpu" and t.untyped_storage().data_ptr() == self.buffer.untyped_storage().data_ptr()
+
+    def reserve(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor in the arena, for a producer to write into (a file read, a generator)."""
+        return self._take(math.prod(shape) * torch.empty((), dtype=dtype).element_size()).view(dtype).view(shape)
+
     def place(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous host tensor in the arena with ``t``'s values (its own storage is not kept)."""
-        nbytes = t.numel() * t.element_size()
+        """A contiguous host tensor in the arena with ``t``'s values (its own storage is not kept);
+        ``t`` itself when it already lives here."""
+        if self.holds(t):
+            return t
+        view = self._take(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+        view.copy_(t.detach())
+        return view
+
+    def _take(self, nbytes: int) -> torch.Tensor:
         if self.used + nbytes > self.capacity:
             raise AssertionError(f"host arena full: {self.used} + {nbytes} > {self.capacity} bytes "
                                  "(the sizes counted before the move do not match the tensors moved)")
         if self.pinned:
             raise AssertionError("host arena is already pinned; nothing can be placed after pin()")
-        view = self.buffer[self.used:self.used + nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t.detach())
+        view = self.buffer[self.used:self.used + nbytes]
         self.used += aligned(nbytes)
         self._since_trim += nbytes
         if self._since_trim >= TRIM_EVERY:
