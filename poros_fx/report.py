@@ -7,6 +7,7 @@
        precision  NF4 (bitsandbytes) + bfloat16
       block_size  1 (prefetch 1), 26 blocks, largest 259.7 MiB (head)
        host base  453.4 MiB (pinned), compute device cuda:0
+            ends  embedding rows gathered from the host store; head block loaded whole (259.7 MiB)
        guarantee  streamed == stream=False, torch.equal on loss, adapter, grad norms and optimizer state ...
 
 ``prepare`` logs it at INFO on the ``poros_fx`` logger; the CLI prints it.
@@ -45,6 +46,16 @@ def _precision(model: nn.Module) -> str:
     return f"NF4 (bitsandbytes) + {dense}" if nf4 else dense
 
 
+def _ends(store) -> str:
+    """How the embedding and the head reach the device."""
+    gathered = any(not e.blocks for e in store.entries.values())
+    head = store.block_bytes()[-1]
+    chunks = store.head_chunks
+    return ("embedding rows gathered from the host store" if gathered else "embedding table loaded as a block") + (
+        f"; lm_head in {chunks} row chunks of ~{head / chunks / 2**20:.1f} MiB" if chunks > 1 else
+        f"; head block loaded whole ({head / 2**20:.1f} MiB)")
+
+
 def report(model: nn.Module) -> str:
     """A short plain-text report of a prepared model: type, family status, adapter, precision, blocks,
     host bytes and the guarantee that applies."""
@@ -66,6 +77,7 @@ def report(model: nn.Module) -> str:
                        f"{max(sizes) / 2**20:.1f} MiB ({store.block_names[sizes.index(max(sizes))]})"),
         ("host base", f"{store.host_bytes() / 2**20:.1f} MiB" + (" (pinned)" if store.pinned() else "")
          + f", compute device {store.device}"),
+        ("ends", _ends(store)),
         ("guarantee", guarantee),
     ]
     width = max(len(k) for k, _ in rows)

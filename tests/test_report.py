@@ -36,6 +36,7 @@ def test_report_validated_nf4():
     assert "lora r=4 alpha=8 dropout=0.1 (7 target modules)" in text
     assert "NF4 (bitsandbytes) + bfloat16" in text
     assert "block_size  2 (prefetch 0), 3 blocks" in text
+    assert "ends  embedding rows gathered from the host store; head block loaded whole" in text
     assert "torch.equal" in text
 
 
@@ -51,3 +52,9 @@ def test_report_user_asserted_and_unprepared():
                                                                        embed="transformer.wte"))
     text = poros_fx.report(model)
     assert "family  user_asserted" in text and "no parity test" in text and "float32" in text
+
+
+def test_report_names_a_chunked_head():
+    model = tiny_lora_model("qwen2", layers=1)
+    poros_fx.prepare(model, device="cpu", head_chunks=4)
+    assert "lm_head in 4 row chunks of ~" in poros_fx.report(model)
