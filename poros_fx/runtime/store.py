@@ -77,7 +77,7 @@ class HostStore:
         budget = free + cached + base_now
         sizes = self.block_bytes()
         layer = max(sizes[1:-1]) / self.block_size if len(sizes) > 2 else 0
-        ends = max(sizes[0], sizes[-1])
+        ends = max(sizes[0], sizes[-1] / self.head_chunks)  # a chunked head holds one chunk at a time
         gib = 2**30
         lines = [f"out of device memory loading {nbytes / gib:.2f} GiB for block {self.block_names[block]!r} "
                  f"(stream={stream}, block_size={self.block_size}, prefetch={self.prefetch}). Measured now: "
