@@ -88,14 +88,16 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
                     device: str | torch.device | None = None, block_size: int = 1, prefetch: int = 1,
                     lora: "peft.PeftConfig | None" = None, family: Family | None = None, *,
                     revision: str | None = None, cache_dir: str | os.PathLike | None = None, progress: bool = True,
-                    available_ram: int | Callable[[], int | None] | None = None) -> nn.Module:
+                    available_ram: int | Callable[[], int | None] | None = None,
+                    head_chunks: int | None = None) -> nn.Module:
     """Load a causal LM checkpoint tensor by tensor into a prepared poros-fx model with ``lora`` attached.
 
     ``name_or_path``: a folder written by ``save_pretrained`` (``model.safetensors`` or sharded with
     ``model.safetensors.index.json``), or a hub id already in the local Hugging Face cache (never
     downloaded; ``revision``/``cache_dir`` select the snapshot). ``quantization``: ``"nf4"`` (decoder
     linears in bitsandbytes NF4, double-quantized, blocksize 64, bf16 compute; the rest bf16) or
-    ``"bf16"``. ``device``, ``block_size``, ``prefetch``, ``family`` are ``poros_fx.prepare``'s.
+    ``"bf16"``. ``device``, ``block_size``, ``prefetch``, ``family``, ``head_chunks`` are
+    ``poros_fx.prepare``'s (``head_chunks=1`` keeps a 7B+ head whole, as an eager run computes it).
     ``lora`` is required (a ``peft.LoraConfig``): poros-fx trains an adapter on a frozen base.
     ``available_ram`` overrides the reading of available host RAM (bytes, or a callable returning them).
     The model is returned in eval mode, as ``from_pretrained`` returns it; call ``model.train()`` to train.
@@ -125,13 +127,14 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
     report = LoadReport(source=str(folder), quantization=quantization, device=str(compute), tensors=len(plan),
                         bytes_read=reader.bytes_read, host_bytes=host_bytes, peak_inflight_bytes=peak,
                         seconds=0.0)
-    return _finish(model, lora, compute, block_size, prefetch, family, report, started, arena)
+    return _finish(model, lora, compute, block_size, prefetch, family, report, started, arena, head_chunks)
 
 
 def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", quantization: Quantization = "nf4",
                 device: str | torch.device | None = None, seed: int = 0, lora: "peft.PeftConfig | None" = None,
                 block_size: int = 1, prefetch: int = 1, family: Family | None = None, *, progress: bool = True,
-                available_ram: int | Callable[[], int | None] | None = None) -> nn.Module:
+                available_ram: int | Callable[[], int | None] | None = None,
+                head_chunks: int | None = None) -> nn.Module:
     """Like ``load_pretrained`` with random-init weights instead of a checkpoint (benchmarks, no hub).
 
     Each tensor is generated on its own from ``seed`` and its name (normal(0, ``initializer_range``) for
@@ -162,7 +165,7 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
     _rebuild_buffers(model, config)
     report = LoadReport(source=source, quantization=quantization, device=str(compute), tensors=len(jobs),
                         bytes_read=0, host_bytes=host_bytes, peak_inflight_bytes=peak, seconds=0.0)
-    return _finish(model, lora, compute, block_size, prefetch, family, report, started, arena)
+    return _finish(model, lora, compute, block_size, prefetch, family, report, started, arena, head_chunks)
 
 
 def load_report(model: nn.Module) -> LoadReport:
@@ -672,13 +675,15 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
 
 
 def _finish(model: nn.Module, lora: Any, compute: torch.device, block_size: int, prefetch: int,
-            family: Family | None, report: LoadReport, started: float, arena: HostArena) -> nn.Module:
+            family: Family | None, report: LoadReport, started: float, arena: HostArena,
+            head_chunks: int | None) -> nn.Module:
     import peft
 
     model.eval()  # as from_pretrained returns it
     model = peft.get_peft_model(model, lora)
     _adapter_to(model, compute)
-    prepare(model, device=compute, block_size=block_size, prefetch=prefetch, family=family, _arena=arena)
+    prepare(model, device=compute, block_size=block_size, prefetch=prefetch, family=family, head_chunks=head_chunks,
+            _arena=arena)
     setattr(model, REPORT_ATTR, dataclasses.replace(report, seconds=time.perf_counter() - started))
     return model
 

@@ -19,7 +19,8 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     ``block_names``, ``bytes_loaded``, ``loads``, ``evictions``, ``recomputed_blocks``,
     ``forward_runs``, ``backward_runs``, ``host_bytes`` (the base's bytes in the host store),
     ``pinned_host_bytes`` (page-locked bytes the store holds: its arena, within 512 bytes per tensor of
-    ``host_bytes``; 0 on a CPU compute device), ``pinned``, ``block_size``, ``prefetch``, ``device``.
+    ``host_bytes``; 0 on a CPU compute device), ``head_chunks`` (row chunks the lm_head is loaded in),
+    ``pinned``, ``block_size``, ``prefetch``, ``device``.
     """
     store = get_store(model)
     if store is None:
@@ -28,7 +29,9 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     out = dataclasses.asdict(ledger)
     out["resident_base_bytes"] = out.pop("resident_bytes")
     out.update(block_bytes=store.block_bytes(), block_names=list(store.block_names), host_bytes=store.host_bytes(),
-               pinned=store.pinned(), pinned_host_bytes=store.pinned_bytes(), block_size=store.block_size, prefetch=store.prefetch, device=str(store.device))
+               pinned=store.pinned(), pinned_host_bytes=store.pinned_bytes(),
+               head_chunks=store.head_chunks, block_size=store.block_size, prefetch=store.prefetch,
+               device=str(store.device))
     if reset:
         ledger.reset()
     return out

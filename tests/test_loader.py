@@ -90,7 +90,7 @@ def load(path, quantization="nf4", **kwargs):
 def test_nf4_host_store_equals_standard_quantization(tmp_path, family, tied):
     path = save_checkpoint(tmp_path / family, family, tie_word_embeddings=tied)
     assert len(list(path.glob("*.safetensors"))) > 3  # really sharded
-    model = load(path, block_size=2, prefetch=0)
+    model = load(path, block_size=2, prefetch=0, head_chunks=2)
     ref = standard_nf4(path, lora_config())
 
     got, want = store_manifest(model), store_manifest(ref)
@@ -100,7 +100,7 @@ def test_nf4_host_store_equals_standard_quantization(tmp_path, family, tied):
     lm = causal_lm(model)
     assert (lm.lm_head._parameters["weight"] is lm.model.embed_tokens._parameters["weight"]) == tied
     stats = poros_fx.stats(model)
-    assert (stats["block_size"], stats["prefetch"]) == (2, 0)
+    assert (stats["block_size"], stats["prefetch"], stats["head_chunks"]) == (2, 0, 2)
     report = load_report(model)
     config = transformers.AutoConfig.from_pretrained(path)
     assert report.host_bytes == stats["host_bytes"] == loader.estimate_host_bytes(config, "nf4")
