@@ -369,9 +369,8 @@ def test_config_problems(tmp_path):
 
 # -- GPU: the standard path is BitsAndBytesConfig quantizing on the device -----------------------------
 
-@pytest.mark.gpu
-def test_cuda_nf4_equals_bitsandbytes_config_load(tmp_path):
-    path = save_checkpoint(tmp_path / "llama", "llama", tie_word_embeddings=True)
+def cuda_manifests(path) -> tuple[dict[str, str], dict[str, str]]:
+    """Host-store manifests of ``load_pretrained`` on CUDA and of the standard BitsAndBytesConfig load."""
     model = load_pretrained(path, "nf4", device="cuda", lora=lora_config(), progress=False)
     bnb_config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                  bnb_4bit_use_double_quant=True,
@@ -379,7 +378,12 @@ def test_cuda_nf4_equals_bitsandbytes_config_load(tmp_path):
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map="cuda",
                                                             quantization_config=bnb_config)
     ref = poros_fx.prepare(peft.get_peft_model(ref, lora_config()), device="cuda")
-    got, want = store_manifest(model), store_manifest(ref)
+    return store_manifest(model), store_manifest(ref)
+
+
+@pytest.mark.gpu
+def test_cuda_nf4_equals_bitsandbytes_config_load(tmp_path):
+    got, want = cuda_manifests(save_checkpoint(tmp_path / "llama", "llama", tie_word_embeddings=True))
     assert sum(k.endswith(".quant_state.absmax2") for k in got) == 7 * 3
     assert got == want
 
@@ -392,14 +396,7 @@ def test_cuda_nf4_equals_bitsandbytes_config_load_05b(tmp_path):
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(qwen25_config("0.5b"), dtype=torch.bfloat16).save_pretrained(
         tmp_path / "q05", max_shard_size="300MB")
-    model = load_pretrained(tmp_path / "q05", "nf4", device="cuda", lora=lora_config(), progress=False)
-    bnb_config = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                 bnb_4bit_use_double_quant=True,
-                                                 bnb_4bit_compute_dtype=torch.bfloat16)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "q05", dtype=torch.bfloat16, device_map="cuda",
-                                                            quantization_config=bnb_config)
-    ref = poros_fx.prepare(peft.get_peft_model(ref, lora_config()), device="cuda")
-    got, want = store_manifest(model), store_manifest(ref)
+    got, want = cuda_manifests(tmp_path / "q05")
     assert sum(k.endswith(".quant_state.absmax2") for k in got) == 7 * 24
     assert got == want
 
