@@ -36,7 +36,7 @@ from torch import nn
 
 from .errors import PorosConfigError, PorosError
 from .families import Family, resolve
-from .prepare import check_block_options, prepare, resolve_device, unwrap
+from .prepare import check_block_options, prepare, quant_state_tensors, resolve_device, set_quant_state, unwrap
 from .runtime.arena import HostArena, aligned
 from .sizes import nf4_bytes
 
@@ -598,12 +598,7 @@ def _nbytes(t: torch.Tensor) -> int:
 def _place_nf4(q: torch.Tensor, arena: HostArena) -> None:
     """Move a host ``Params4bit``'s packed weight and the quant-state tensors ``prepare`` keeps into the arena."""
     q.data = arena.place(q.data)
-    qs = q.quant_state
-    qs.absmax = arena.place(qs.absmax)
-    if qs.nested:
-        qs.offset = arena.place(qs.offset)
-        qs.state2.absmax = arena.place(qs.state2.absmax)
-        qs.state2.code = arena.place(qs.state2.code)
+    set_quant_state(q.quant_state, {k: arena.place(t) for k, t in quant_state_tensors(q.quant_state).items()})
 
 
 def _arena_capacity(model: nn.Module) -> int:
@@ -617,10 +612,7 @@ def _arena_capacity(model: nn.Module) -> int:
         if attr in owner._buffers:
             continue
         if _is_nf4_weight(owner, attr):
-            numel = _numel(meta)
-            blocks = math.ceil(numel / NF4_BLOCKSIZE)
-            total += aligned((numel + 1) // 2) + aligned(blocks) + aligned(4) + aligned(
-                4 * math.ceil(blocks / NESTED_BLOCKSIZE)) + aligned(4 * 256)
+            total += nf4_bytes(_numel(meta), NF4_BLOCKSIZE, align=aligned)
         else:
             total += aligned(_numel(meta) * meta.element_size())
     return total

@@ -233,7 +233,7 @@ def _arena_bytes(owners: list[tuple[str, nn.Module, list[str]]]) -> int:
         for n in frozen:
             seen.setdefault(id(module._parameters[n]), module._parameters[n])
         if _is_linear4bit(module) and module._parameters["weight"].quant_state is not None:
-            for t in _quant_state_tensors(module._parameters["weight"].quant_state).values():
+            for t in quant_state_tensors(module._parameters["weight"].quant_state).values():
                 seen.setdefault(id(t), t)
     return sum(aligned(t.numel() * t.element_size()) for t in seen.values())
 
@@ -269,7 +269,7 @@ def _is_linear4bit(module: nn.Module) -> bool:
     return isinstance(module, bnb.nn.Linear4bit)
 
 
-def _quant_state_tensors(qs: Any) -> dict[str, torch.Tensor]:
+def quant_state_tensors(qs: Any) -> dict[str, torch.Tensor]:
     """The quant-state tensors NF4/FP4 kernels read (``qs.code``, the 4-bit table, is built into them)."""
     found = {"absmax": qs.absmax}
     if qs.nested:
@@ -294,12 +294,12 @@ def _move_linear4bit(store: HostStore, mod_name: str, module: nn.Module, reader_
     _add_entry(store, f"{mod_name}.weight", packed, origin, blocks)
     module._parameters["weight"] = packed
     module._poros_quant_state = qs
-    for key, tensor in _quant_state_tensors(qs).items():
+    for key, tensor in quant_state_tensors(qs).items():
         buf = nn.Parameter(_host_copy(store, tensor), requires_grad=False)
         _add_entry(store, f"{mod_name}.weight.quant_state.{key}", buf, tensor.device, blocks)
         module.register_buffer(f"poros_qs_{key}", buf, persistent=False)
     # the QuantState object now points at the host copies, so nothing of it stays on the device
-    _set_quant_state(qs, {k: getattr(module, f"poros_qs_{k}").data for k in _quant_state_tensors(qs)})
+    set_quant_state(qs, {k: getattr(module, f"poros_qs_{k}").data for k in quant_state_tensors(qs)})
     code_origin = qs.code.device if isinstance(qs.code, torch.Tensor) else None
     if code_origin is not None:
         qs.code = qs.code.to("cpu")
@@ -307,7 +307,7 @@ def _move_linear4bit(store: HostStore, mod_name: str, module: nn.Module, reader_
     def undo(module=module, qs=qs, params4bit=params4bit, origin=origin, code_origin=code_origin):
         params4bit.data = module._parameters["weight"].data.to(origin)
         module._parameters["weight"] = params4bit
-        _set_quant_state(qs, {k: module._buffers[f"poros_qs_{k}"].data.to(origin) for k in _QS_BUFFERS
+        set_quant_state(qs, {k: module._buffers[f"poros_qs_{k}"].data.to(origin) for k in _QS_BUFFERS
                               if f"poros_qs_{k}" in module._buffers})
         for key in _QS_BUFFERS:
             module._buffers.pop(f"poros_qs_{key}", None)
@@ -324,7 +324,7 @@ def _add_entry(store: HostStore, name: str, host: torch.Tensor, origin: torch.de
     setattr(host, ENTRY_ATTR, entry)
 
 
-def _set_quant_state(qs: Any, tensors: dict[str, torch.Tensor]) -> None:
+def set_quant_state(qs: Any, tensors: dict[str, torch.Tensor]) -> None:
     for key, t in tensors.items():
         if key == "absmax2":
             qs.state2.absmax = t

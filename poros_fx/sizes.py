@@ -10,7 +10,7 @@ counts in no block: its rows are gathered (a tied table counts in the head, whic
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -22,12 +22,15 @@ if TYPE_CHECKING:
     import transformers
 
 
-def nf4_bytes(numel: int, blocksize: int = 64, nested: bool = True) -> int:
+def nf4_bytes(numel: int, blocksize: int = 64, nested: bool = True,
+              align: Callable[[int], int] = lambda n: n) -> int:
+    """Bytes bitsandbytes keeps for an NF4 weight of ``numel`` values; ``align`` rounds each of its
+    tensors (the host arena places every tensor on a 512-byte boundary)."""
     packed = (numel + 1) // 2
     blocks = math.ceil(numel / blocksize)
     if not nested:
-        return packed + 4 * blocks
-    return packed + blocks + 4 * math.ceil(blocks / 256) + 4 * 256 + 4
+        return align(packed) + align(4 * blocks)
+    return align(packed) + align(blocks) + align(4 * math.ceil(blocks / 256)) + align(4 * 256) + align(4)
 
 
 def block_bytes(config: "transformers.PretrainedConfig", quantization: str = "nf4", block_size: int = 1,
