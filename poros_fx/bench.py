@@ -167,6 +167,7 @@ class BenchConfig:
     plot_path: Path | None = None  # None: the JSON path with .png
     time_budget: float | None = None  # seconds; no new row starts after it
     compiled_resident: bool = False  # add compiled_resident (0.5B/7B/tiny only)
+    profile_dir: Path | None = None  # one more step per row under torch.profiler: trace here, summary in the row
     batch: int = 1
     seed: int = 0
     command: str = ""  # the command line, for the markdown
@@ -198,7 +199,7 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                 grid: str = "star", steps: int = 10, warmup: int = 1, device: str = "cuda",
                 json_path: str | Path = "poros-bench.json", md_path: str | Path | None = None,
                 plot_path: str | Path | None = None, time_budget: float | None = None,
-                compiled_resident: bool = False, command: str = "",
+                compiled_resident: bool = False, profile_dir: str | Path | None = None, command: str = "",
                 known_methods: Mapping[str, Method] = METHODS) -> BenchConfig:
     """A checked ``BenchConfig`` from the command-line strings (shared by the CLI and ``main``)."""
     method_names = tuple(m.strip() for m in methods.split(",") if m.strip())
@@ -219,7 +220,8 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                        accums=_ints(accums, "accums"), grid=grid, steps=steps, warmup=warmup,  # type: ignore[arg-type]
                        device=device, json_path=json_path, md_path=Path(md_path) if md_path else None,
                        plot_path=Path(plot_path) if plot_path else None, time_budget=time_budget,
-                       compiled_resident=compiled_resident, command=command)
+                       compiled_resident=compiled_resident, profile_dir=Path(profile_dir) if profile_dir else None,
+                       command=command)
 
 
 def shapes(config: BenchConfig) -> list[tuple[int, int]]:
@@ -427,6 +429,11 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
             row["peak_resident_base_gb"] = round(s["peak_resident_base_bytes"] / 1e9, 3)
         if device.type == "cuda":
             row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
+        if config.profile_dir is not None:  # after the peak is read: the profiler allocates too
+            from .profiling import profile_step
+
+            slug = _label(spec).replace(" ", "-").replace(".", "")
+            row["profile"] = profile_step(step, Path(config.profile_dir) / f"{slug}.trace.json.gz")
     finally:
         if runner is not None:
             runner.teardown()
@@ -702,6 +709,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--md", default=None, help="markdown table (default: JSON path with .md)")
     p.add_argument("--plot", default=None, help="PNG plot (default: JSON path with .png)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds; no new row starts after them")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile one extra step per row: Chrome trace into DIR, summary into the row's 'profile'")
     p.add_argument("--compiled-resident", action="store_true",
                    help="add compiled_resident (plain torch.compile/Inductor; 0.5B and 7B only)")
     return p
@@ -719,6 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              accums=args.accums, grid=args.grid, steps=args.steps, warmup=args.warmup,
                              device=args.device, json_path=args.json, md_path=args.md, plot_path=args.plot,
                              time_budget=args.time_budget, compiled_resident=args.compiled_resident,
+                             profile_dir=args.profile,
                              command=shlex.join(["python", "-m", "poros_fx.bench", *argv]))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

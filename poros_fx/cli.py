@@ -413,7 +413,10 @@ def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: t
           plot: Optional[Path] = typer.Option(None, help="PNG plot (default: JSON path with .png)"),
           time_budget: Optional[float] = typer.Option(None, help="seconds; no new row starts after them"),
           compiled_resident: bool = typer.Option(False, "--compiled-resident",
-                                                 help="add compiled_resident (plain torch.compile; 0.5B/7B only)")) -> None:
+                                                 help="add compiled_resident (plain torch.compile; 0.5B/7B only)"),
+          profile: Optional[Path] = typer.Option(None, metavar="DIR",
+                                                 help="profile one extra step per row: Chrome trace into DIR, "
+                                                 "summary into the row's 'profile'")) -> None:
     """Side-by-side benchmark: PEFT resident / checkpointing / compiled vs poros streamed and resident (JSON, md, PNG)."""
     import shlex
     import sys
@@ -428,7 +431,7 @@ def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: t
         config = harness.make_config(models=models, methods=methods, block_sizes=block_sizes, seqs=seqs, accums=accums,
                                      grid=grid, steps=steps, warmup=warmup, device=device, json_path=json_path,
                                      md_path=md, plot_path=plot, time_budget=time_budget,
-                                     compiled_resident=compiled_resident,
+                                     compiled_resident=compiled_resident, profile_dir=profile,
                                      command=shlex.join(["poros-fx", *sys.argv[1:]]))
     except ValueError as e:
         raise _fail(str(e))
