@@ -1,8 +1,10 @@
 """Residency: hand loads to the runtime and evict every loaded tensor right after its last use.
 
 Each ``poros.load`` becomes a call of the graph's ``GraphRuntime.load`` (ledger, resident cache for
-``stream=False``; the last load of a run of consecutive loads, a prefetch group, says so, and the
-runtime records one copy-done event per group). With streaming on, an ``evict`` follows the last
+``stream=False``). With streaming on, the loads of one prefetch group (the consecutive loads the
+prefetch pass numbered alike) first get one ``load_group`` node that copies all their host tensors
+in one device buffer (one copy per contiguous host range, one copy-done event), and each load takes
+its tensor from it. An ``evict`` follows the last
 reader of the loaded tensor and of every view of it, and the pass checks the structural promise: no
 loaded tensor (or view of one) leaves the forward graph, so the backward can only get base weights by
 loading them again. On CUDA, where loads run on the copy stream, a ``wait`` goes right before the
@@ -17,8 +19,9 @@ Before (forward graph)::
 
 After (CUDA; on the CPU there is no wait and ``t`` reads ``load``)::
 
-    load = runtime.load(primals_3, cuda, 1, True)
-    wait = runtime.wait(load)              # compute stream waits for the copy group
+    load_group = runtime.load_group([primals_3, primals_4, ...], cuda, 1)   # the group's one copy
+    load = runtime.load(primals_3, cuda, 1, False, load_group, 0)
+    wait = runtime.wait(load)              # compute stream waits for the group's copy
     t = aten.t(wait)
     mm = aten.mm(view, t)
     evict = runtime.evict(load)            # load and t are dead from here
@@ -61,12 +64,20 @@ def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     # the prefetch pass numbered each load's group; the runtime records one copy-done event per group
     last_in_group = {ld: nxt is None or GROUP not in ld.meta or nxt.meta.get(GROUP) != ld.meta[GROUP]
                      for ld, nxt in zip(loads, [*loads[1:], None])}
+    groups: dict[object, list[fx.Node]] = {}
+    for ld in loads:
+        groups.setdefault(ld.meta.get(GROUP, ld), []).append(ld)
+    batch_of = {}
+    if schedule.stream:
+        for members in groups.values():
+            batch = _group_copy(graph, runtime, members)
+            batch_of.update((ld, (batch, i)) for i, ld in enumerate(members))
     for ld in loads:
         host, device = ld.args
         block = ld.meta[BLOCK]
         weight, _ = schedule.load_source(ld)
         ld.target = runtime.load
-        ld.args = (host, device, block, last_in_group[ld])
+        ld.args = (host, device, block, last_in_group[ld], *batch_of.get(ld, ()))
         if not schedule.stream:
             continue
         group = aliases(ld)
@@ -87,3 +98,22 @@ def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _group_copy(graph: fx.Graph, runtime: object, members: list[fx.Node]) -> fx.Node:
+    """A ``load_group`` node right before the group's first load, reading every member's host tensor
+    (a head chunk's host is a slice: its slice nodes move up with it)."""
+    first = members[0]
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for ld in members[1:]:
+        chain, src = [], ld.args[0]
+        while getattr(src, "op", None) == "call_function" and position[src] > position[first]:
+            chain.append(src)
+            src = src.args[0]
+        for view in reversed(chain):
+            first.prepend(view)
+    with graph.inserting_before(first):
+        batch = graph.call_function(runtime.load_group, ([ld.args[0] for ld in members], first.args[1],
+                                                         first.meta[BLOCK]))
+    batch.meta[BLOCK] = first.meta[BLOCK]
+    return batch

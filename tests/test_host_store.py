@@ -103,3 +103,42 @@ def test_head_chunks_is_automatic_above_512_mib():
     assert head_chunk_count(10, 5, requested=9) == 5
     with pytest.raises(poros_fx.PorosConfigError, match="head_chunks"):
         head_chunk_count(10, 5, requested=0)
+
+
+def test_host_runs_merge_neighbours_of_one_storage_only():
+    from poros_fx.runtime.executor import RUN_GAP, host_runs
+
+    arena = HostArena(3 * RUN_GAP)
+    a = arena.place(torch.arange(100, dtype=torch.float32))
+    b = arena.place(torch.arange(7, dtype=torch.int8))  # 512 B after a: the same range
+    arena.reserve((RUN_GAP + ALIGN,), torch.uint8)  # a hole wider than RUN_GAP: a new range
+    c = arena.place(torch.ones(3, dtype=torch.bfloat16))
+    other = torch.zeros(4)  # another storage
+    strided = torch.arange(12.0).view(3, 4).t()
+    runs = host_runs([c, other, b, strided, a])
+    members = sorted(sorted(r[3]) for r in runs)
+    assert sorted(members) == sorted([[2, 4], [0], [1], [3]])
+    merged = next(r for r in runs if sorted(r[3]) == [2, 4])
+    assert merged[1] == a.data_ptr() and merged[2] == b.data_ptr() + 7
+
+
+def test_a_block_is_one_copy_and_the_group_views_keep_host_alignment():
+    from poros_fx.runtime.executor import GraphRuntime
+
+    model = tiny_lora_model("qwen2", layers=2, nf4=True)
+    poros_fx.prepare(model, device="cpu")
+    store = get_store(model)
+    hosts = [e.host for e in store.entries.values() if e.blocks == (1,)]
+    runtime = GraphRuntime(store, stream=True, phase="forward")
+    out = runtime.load_group(hosts, torch.device("cpu"), 1)
+    assert store.ledger.copies == 1  # the arena keeps a block's tensors side by side
+    for h, d in zip(hosts, out):
+        assert torch.equal(h, d) and d.dtype == h.dtype and d.data_ptr() % ALIGN == h.data_ptr() % ALIGN
+    assert len({d.untyped_storage().data_ptr() for d in out}) == 1
+    # compiled: one copy per group (forward: embed's table is gathered, layers, head; backward: head, layers)
+    compiled = torch.compile(model, backend="poros")
+    batch = {"input_ids": torch.randint(0, 256, (1, 16)), "labels": torch.randint(0, 256, (1, 16))}
+    poros_fx.stats(model, reset=True)
+    compiled(**batch).loss.backward()
+    s = poros_fx.stats(model)
+    assert s["copies"] == 2 * (len(s["block_names"]) - 1) and s["loads"] > 10 * s["copies"]

@@ -1,9 +1,13 @@
 """The graph runtime: the functions the residency pass puts into the forward and backward graphs.
 
-``GraphRuntime.load`` makes the device copy of a host-store tensor and books it in the ledger;
-``wait`` makes the compute stream wait for that copy just before its first reader; ``evict`` books it
-out at its last use (the graph drops its last reference right after, so the memory really goes).
-With ``stream=False`` a load keeps its copy resident in the store's cache and no evicts are
+``GraphRuntime.load_group`` copies one prefetch group (a block's base tensors) to the device: one
+device buffer, one copy per contiguous range of host memory (the store's arena keeps a block's
+tensors side by side, so a block is one copy, not one per tensor: a 7B step made 2,252 copy calls
+and allocations before, 60 now, and the step is bound by the CPU launching work). ``load`` hands out
+one tensor of that group (a view of the buffer) and books it in the ledger; ``wait`` makes the compute
+stream wait for the group's copy just before the tensor's first reader; ``evict`` books it out at its
+last use (the buffer goes when the graph drops the group's last tensor). With ``stream=False`` a
+load copies its tensor alone and keeps it resident in the store's cache, and no evicts are
 scheduled: the same graphs, with the base resident.
 
 On CUDA the copies run on the store's copy stream. The prefetch pass issues a block's loads one
@@ -26,7 +30,31 @@ from typing import Any, Callable
 import torch
 
 from ..errors import PorosOOMError
+from .arena import ALIGN
 from .store import HostStore
+
+RUN_GAP = 256 * 2**10  # host bytes a copy may span that no load reads, rather than start another copy
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def host_runs(hosts: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, list[int]]]:
+    """``hosts`` as contiguous host ranges: (a tensor of the range's storage, first byte, end byte,
+    indices of the hosts in it), in address order. Ranges of one storage less than ``RUN_GAP`` apart
+    merge; a non-contiguous host is a range of its own (copied as a tensor, not as bytes)."""
+    runs: list[tuple[torch.Tensor, int, int, list[int]]] = []
+    for i in sorted(range(len(hosts)), key=lambda i: hosts[i].data_ptr()):
+        h = hosts[i]
+        start, end = h.data_ptr(), h.data_ptr() + nbytes(h)
+        last = runs[-1] if runs else None
+        if (last is not None and h.is_contiguous() and last[0].is_contiguous() and start - last[2] <= RUN_GAP
+                and h.untyped_storage().data_ptr() == last[0].untyped_storage().data_ptr()):
+            runs[-1] = (last[0], last[1], max(last[2], end), [*last[3], i])
+        else:
+            runs.append((h, start, end, [i]))
+    return runs
 
 
 class GraphRuntime:
@@ -40,7 +68,55 @@ class GraphRuntime:
         self._pending: dict[int, Any] = {}  # id(device copy) -> the copy stream's done event
         self._waited: Any = None  # the done event the compute stream waited for last
 
-    def load(self, host: torch.Tensor, device: torch.device, block: int, last_in_group: bool = True) -> torch.Tensor:
+    def load_group(self, hosts: list[torch.Tensor], device: torch.device, block: int) -> list[torch.Tensor]:
+        """Device copies of ``hosts`` (one prefetch group), as views of one new device buffer.
+
+        Each host range (``host_runs``) goes to the buffer at an offset with the same remainder mod
+        ``ALIGN`` as its host address, so every tensor keeps its host alignment (the arena's 512 B)."""
+        runs = host_runs(hosts)
+        offsets, size = [], 0
+        for first, start, end, _ in runs:
+            size = -(-size // ALIGN) * ALIGN + start % ALIGN
+            offsets.append(size)
+            size += end - start
+        buffer = self._allocate(torch.empty(size + ALIGN, dtype=torch.uint8), device, block)
+        buffer = buffer[-buffer.data_ptr() % ALIGN:]  # CUDA allocations start on 512 B already; CPU ones on 64
+        out: list[Any] = [None] * len(hosts)
+        copies = []
+        for (first, start, end, members), offset in zip(runs, offsets):
+            if first.is_contiguous():
+                storage = first.untyped_storage()
+                src = torch.empty(0, dtype=torch.uint8).set_(storage, start - storage.data_ptr(), (end - start,))
+                copies.append((buffer[offset:offset + end - start], src))
+                for i in members:
+                    at = offset + hosts[i].data_ptr() - start
+                    out[i] = buffer[at:at + nbytes(hosts[i])].view(hosts[i].dtype).view(hosts[i].shape)
+            else:  # a strided host: a tensor of its own, copied as a tensor
+                out[members[0]] = self._allocate(first, device, block)
+                copies.append((out[members[0]], first.detach()))
+        if self.overlap:
+            copy_stream = self.store.copy_stream()
+            copy_stream.wait_event(torch.cuda.current_stream(device).record_event())
+            with torch.cuda.stream(copy_stream):
+                for dst, src in copies:
+                    dst.copy_(src, non_blocking=True)
+            done = copy_stream.record_event()
+            self._pending.update((id(t), done) for t in out)
+        else:
+            for dst, src in copies:
+                dst.copy_(src)
+        self.store.ledger.on_copy(len(copies), sum(nbytes(dst) for dst, _ in copies))
+        return out
+
+    def load(self, host: torch.Tensor, device: torch.device, block: int, last_in_group: bool = True,
+             group: list[torch.Tensor] | None = None, index: int = 0) -> torch.Tensor:
+        """The device copy of ``host``: tensor ``index`` of ``group`` (``load_group``'s result), or,
+        without a group, a copy of its own (``stream=False``: made once and kept resident)."""
+        if group is not None:
+            out = group[index]
+            self.store.ledger.on_load(nbytes(out))
+            self._blocks_loaded.add(block)
+            return out
         if not self.stream:
             key = (host.data_ptr(), tuple(host.shape), host.dtype)  # a head chunk's slice is new every run
             cached = self.store.resident_cache.get(key)
@@ -48,7 +124,8 @@ class GraphRuntime:
                 cached = self._allocate(host, device, block)
                 cached.copy_(host.detach())
                 self.store.resident_cache[key] = cached
-                self.store.ledger.on_load(cached.untyped_storage().nbytes())
+                self.store.ledger.on_load(nbytes(cached))
+                self.store.ledger.on_copy(1, nbytes(cached))
             return cached
         out = self._allocate(host, device, block)
         if self.overlap:
@@ -64,7 +141,8 @@ class GraphRuntime:
                 self._group = []
         else:
             out.copy_(host.detach())
-        self.store.ledger.on_load(out.untyped_storage().nbytes())
+        self.store.ledger.on_load(nbytes(out))
+        self.store.ledger.on_copy(1, nbytes(out))
         self._blocks_loaded.add(block)
         return out
 
@@ -77,7 +155,7 @@ class GraphRuntime:
         return loaded
 
     def evict(self, loaded: torch.Tensor) -> None:
-        self.store.ledger.on_evict(loaded.untyped_storage().nbytes())
+        self.store.ledger.on_evict(nbytes(loaded))
 
     def _allocate(self, host: torch.Tensor, device: torch.device, block: int) -> torch.Tensor:
         try:

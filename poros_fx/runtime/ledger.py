@@ -16,6 +16,8 @@ class ResidencyLedger:
     peak_resident_base_bytes: int = 0
     bytes_loaded: int = 0
     loads: int = 0
+    copies: int = 0  # host-to-device copy calls (a group's tensors share one per contiguous host range)
+    bytes_copied: int = 0  # what those calls moved (a range may span a few bytes no load reads)
     evictions: int = 0
     recomputed_blocks: int = 0
     forward_runs: int = 0
@@ -26,6 +28,10 @@ class ResidencyLedger:
         self.bytes_loaded += nbytes
         self.resident_bytes += nbytes
         self.peak_resident_base_bytes = max(self.peak_resident_base_bytes, self.resident_bytes)
+
+    def on_copy(self, calls: int, nbytes: int) -> None:
+        self.copies += calls
+        self.bytes_copied += nbytes
 
     def on_evict(self, nbytes: int) -> None:
         self.evictions += 1
