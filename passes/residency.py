@@ -4,7 +4,8 @@ Each ``poros.load`` becomes a call of the graph's ``GraphRuntime.load`` (ledger,
 ``stream=False``). With streaming on, the loads of one prefetch group (the consecutive loads the
 prefetch pass numbered alike) first get one ``load_group`` node that copies all their host tensors
 in one device buffer (one copy per contiguous host range, one copy-done event), and each load takes
-its tensor from it. An ``evict`` follows the last
+its tensor from it (``options={"group_copies": False}``: each load copies its own tensor, the
+runtime before grouping, kept to measure the two side by side). An ``evict`` follows the last
 reader of the loaded tensor and of every view of it, and the pass checks the structural promise: no
 loaded tensor (or view of one) leaves the forward graph, so the backward can only get base weights by
 loading them again. On CUDA, where loads run on the copy stream, a ``wait`` goes right before the
@@ -68,7 +69,7 @@ def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     for ld in loads:
         groups.setdefault(ld.meta.get(GROUP, ld), []).append(ld)
     batch_of = {}
-    if schedule.stream:
+    if schedule.stream and schedule.options.group_copies:
         for members in groups.values():
             batch = _group_copy(graph, runtime, members)
             batch_of.update((ld, (batch, i)) for i, ld in enumerate(members))

@@ -7,7 +7,8 @@
 Methods (``METHODS``): ``peft_resident`` (PEFT LoRA on a bitsandbytes NF4 base, eager),
 ``peft_checkpointing`` (the same + non-reentrant activation checkpointing), ``compiled_resident``
 (the same under plain ``torch.compile``/Inductor; opt-in, 0.5B/7B only), ``poros`` (streamed, one
-row per block size) and ``poros_resident`` (``options={"stream": False}``). Models: random-init
+row per block size), ``poros_resident`` (``options={"stream": False}``) and, opt-in,
+``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor instead of per block). Models: random-init
 Qwen2.5 shapes (0.5b/7b/32b/72b), or ``tiny`` (a 2-layer qwen2 config, for CPU runs). Recipe: LoRA
 r16 alpha 32 dropout 0.05 on all seven projections, AdamW, batch 1; one row per (seq, accum) pair of
 the grid (``star``: the first seq and accum, plus each other seq at the first accum and each other
@@ -135,6 +136,11 @@ def _poros(model: nn.Module, block_size: int | None) -> Runner:
                   teardown=_poros_teardown(model))
 
 
+def _poros_tensor_copies(model: nn.Module, block_size: int | None) -> Runner:
+    return Runner(torch.compile(model, backend="poros", options={"block_size": block_size or 1, "group_copies": False}),
+                  teardown=_poros_teardown(model))
+
+
 def _poros_resident(model: nn.Module, block_size: int | None) -> Runner:
     return Runner(torch.compile(model, backend="poros", options={"stream": False}), teardown=_poros_teardown(model))
 
@@ -146,6 +152,9 @@ METHODS: Mapping[str, Method] = types.MappingProxyType({
                                 models=COMPILED_RESIDENT_MODELS),
     "poros": Method("poros", "prepared", _poros, compiled=True, streams=True, per_block_size=True),
     "poros_resident": Method("poros_resident", "prepared", _poros_resident, compiled=True, streams=True),
+    # the runtime before a block became one copy: one copy and allocation per tensor (opt-in, for A/B runs)
+    "poros_tensor_copies": Method("poros_tensor_copies", "prepared", _poros_tensor_copies, compiled=True,
+                                  streams=True, per_block_size=True),
 })
 
 
@@ -427,6 +436,7 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
             s = stats(model)
             row["h2d_gbps"] = _sig(s["bytes_loaded"] / sum(times) / 1e9)
             row["peak_resident_base_gb"] = round(s["peak_resident_base_bytes"] / 1e9, 3)
+            row["copies_per_step"] = round(s["copies"] / len(times))  # host-to-device copy calls
         if device.type == "cuda":
             row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
         if config.profile_dir is not None:  # after the peak is read: the profiler allocates too

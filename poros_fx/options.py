@@ -18,6 +18,7 @@ class PorosOptions:
     prefetch: int | None = None  # None: what prepare() was given
     stream: bool = True  # False: base resident, nothing recomputed (the parity reference)
     dump: str | None = None  # folder for graph dumps; POROS_FX_DUMP when not given
+    group_copies: bool = True  # False: one copy (and allocation) per tensor instead of one per block; for A/B runs
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "PorosOptions":
@@ -28,8 +29,9 @@ class PorosOptions:
             raise PorosConfigError(f"unknown poros option(s) {unknown}; known options: {sorted(known)}")
         opts = cls(**options)
         check_block_options(1 if opts.block_size is None else opts.block_size, 0 if opts.prefetch is None else opts.prefetch)
-        if not isinstance(opts.stream, bool):
-            raise PorosConfigError(f"stream must be True or False, got {opts.stream!r}")
+        for name in ("stream", "group_copies"):
+            if not isinstance(getattr(opts, name), bool):
+                raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")
         if opts.dump is None and os.environ.get(DUMP_ENV):
             opts = dataclasses.replace(opts, dump=os.environ[DUMP_ENV])
         return opts

@@ -23,6 +23,7 @@ def test_bad_prepare_options(kwargs, match):
     ({"block_size": 0}, "block_size"),
     ({"prefetch": -2}, "prefetch"),
     ({"stream": "yes"}, "stream must be True or False"),
+    ({"group_copies": 1}, "group_copies must be True or False"),
     ({"blocksize": 2}, "unknown poros option"),
 ])
 def test_bad_backend_options(options, match):

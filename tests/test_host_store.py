@@ -142,3 +142,25 @@ def test_a_block_is_one_copy_and_the_group_views_keep_host_alignment():
     compiled(**batch).loss.backward()
     s = poros_fx.stats(model)
     assert s["copies"] == 2 * (len(s["block_names"]) - 1) and s["loads"] > 10 * s["copies"]
+
+
+def test_per_tensor_copies_train_exactly_like_block_copies():
+    """``group_copies=False`` (a copy per tensor, for A/B measurements) and the default (a copy per
+    block) are the same computation: two independent NF4 runs, equal on every surface."""
+    from poros_fx.parity import SURFACES, compare, format_diffs, train
+    from poros_fx.tiny import demo_batches
+
+    batches = demo_batches(4, seq=16)
+    runs, counts = {}, {}
+    for group_copies in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = tiny_lora_model("qwen2", layers=2, nf4=True, dtype=torch.bfloat16)
+        poros_fx.prepare(model, device="cpu")
+        compiled = torch.compile(model, backend="poros", options={"group_copies": group_copies})
+        runs[group_copies] = train(model, compiled, batches, accumulate=2)
+        s = poros_fx.stats(model)
+        counts[group_copies] = (s["loads"], s["copies"])
+    diffs = compare(runs[True], runs[False])
+    assert diffs == {k: 0.0 for k in SURFACES}, format_diffs("block copies vs tensor copies", diffs)
+    assert counts[False][0] == counts[False][1] == counts[True][0] > 10 * counts[True][1]
