@@ -427,7 +427,14 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
             step()
         if method.streams:
             stats(model, reset=True)
+        allocator_before = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
         times = [step() for _ in range(config.steps)]
+        if device.type == "cuda":  # the caching allocator in the timed steps: 0 device allocations once warm
+            allocator = torch.cuda.memory_stats(device)
+            row["allocator"] = {
+                "device_allocs": allocator.get("num_device_alloc", 0) - allocator_before.get("num_device_alloc", 0),
+                "alloc_retries": allocator.get("num_alloc_retries", 0) - allocator_before.get("num_alloc_retries", 0),
+                "reserved_peak_gb": round(allocator.get("reserved_bytes.all.peak", 0) / 1e9, 3)}
         median = statistics.median(times)
         row.update(s_per_step=round(median, 5), first_step_s=round(first, 3), steps=len(times))
         if method.compiled:

@@ -13,7 +13,8 @@ writes the Chrome trace (``.json.gz``, open it in Perfetto) and returns ``summar
      "h2d": {"bytes": 6.7e9, "ms": 121.8, "gbps": 55.0},
      "categories_ms": {"gemm": .., "dequantize": .., "attention": .., "other": ..},
      "top_kernels": [{"name": .., "ms": .., "count": ..}, ...],
-     "cpu_sync_ms": 3.1}                     # CPU time blocked in synchronizing CUDA calls
+     "cpu_sync_ms": 3.1,                     # CPU time blocked in synchronizing CUDA calls
+     "cuda_malloc": {"calls": 0, "ms": 0.0}} # cudaMalloc/cudaFree in the step (0 once the allocator is warm)
 
 The compute stream is the one with the most kernel time; copy streams are the others that run
 host-to-device copies. A compute-stream gap counts as ``cpu`` when the next kernel's launch call
@@ -31,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+_MALLOC_CALLS = ("cudaMalloc", "cudaFree")  # the caching allocator growing or flushing: slow, and cudaFree syncs
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 _CATEGORIES = (  # first match wins; lower-cased kernel names
     ("dequantize", re.compile(r"dequant|kdequantize")),
@@ -75,6 +77,8 @@ def summarize(trace: dict[str, Any], top: int = 15) -> dict[str, Any]:
     out["cpu_sync_ms"] = round(sum(e["dur"] for e in events if e.get("cat") == "cuda_runtime"
                                    and e.get("name", "").startswith(_SYNC_CALLS)
                                    and not e["name"].startswith("cudaMemcpyAsync")) / 1000.0, 3)
+    mallocs = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name", "").startswith(_MALLOC_CALLS)]
+    out["cuda_malloc"] = {"calls": len(mallocs), "ms": round(sum(e["dur"] for e in mallocs) / 1000.0, 3)}
     if not kernels:
         out["note"] = "no GPU activity in the trace (a CPU run)"
         return out

@@ -20,6 +20,7 @@ def test_summarize_splits_compute_idle_into_cpu_and_waiting_on_copy():
         _ev("cuda_runtime", "cudaLaunchKernel", 300, 10, correlation=4),
         _ev("kernel", "elementwise", 320, 30, stream=7, correlation=4),
         _ev("cuda_runtime", "cudaStreamSynchronize", 312, 40),
+        _ev("cuda_runtime", "cudaMalloc", 290, 6),
     ]}
     s = summarize(trace)
     assert s["compute_stream"] == 7 and s["copy_streams"] == [21]
@@ -30,6 +31,7 @@ def test_summarize_splits_compute_idle_into_cpu_and_waiting_on_copy():
     assert s["h2d"] == {"bytes": 2_000_000, "ms": 0.2, "count": 1, "gbps": 10.0}
     assert s["categories_ms"] == {"gemm": 0.1, "dequantize": 0.05, "other": 0.03}
     assert s["cpu_sync_ms"] == 0.04
+    assert s["cuda_malloc"] == {"calls": 1, "ms": 0.006}
     assert s["streams"]["21"] == {"busy_ms": 0.2, "kernels": 0, "copies": 1}
 
 
