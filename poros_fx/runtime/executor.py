@@ -25,6 +25,7 @@ Nothing of the base is ever copied device to host.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -79,7 +80,7 @@ class GraphRuntime:
             size = -(-size // ALIGN) * ALIGN + start % ALIGN
             offsets.append(size)
             size += end - start
-        buffer = self._allocate(torch.empty(size + ALIGN, dtype=torch.uint8), device, block)
+        buffer = self._allocate((size + ALIGN,), (1,), torch.uint8, device, block)
         buffer = buffer[-buffer.data_ptr() % ALIGN:]  # CUDA allocations start on 512 B already; CPU ones on 64
         out: list[Any] = [None] * len(hosts)
         copies = []
@@ -92,7 +93,7 @@ class GraphRuntime:
                     at = offset + hosts[i].data_ptr() - start
                     out[i] = buffer[at:at + nbytes(hosts[i])].view(hosts[i].dtype).view(hosts[i].shape)
             else:  # a strided host: a tensor of its own, copied as a tensor
-                out[members[0]] = self._allocate(first, device, block)
+                out[members[0]] = self._allocate(first.shape, first.stride(), first.dtype, device, block)
                 copies.append((out[members[0]], first.detach()))
         if self.overlap:
             copy_stream = self.store.copy_stream()
@@ -121,13 +122,13 @@ class GraphRuntime:
             key = (host.data_ptr(), tuple(host.shape), host.dtype)  # a head chunk's slice is new every run
             cached = self.store.resident_cache.get(key)
             if cached is None:
-                cached = self._allocate(host, device, block)
+                cached = self._allocate(host.shape, host.stride(), host.dtype, device, block)
                 cached.copy_(host.detach())
                 self.store.resident_cache[key] = cached
                 self.store.ledger.on_load(nbytes(cached))
                 self.store.ledger.on_copy(1, nbytes(cached))
             return cached
-        out = self._allocate(host, device, block)
+        out = self._allocate(host.shape, host.stride(), host.dtype, device, block)
         if self.overlap:
             copy_stream = self.store.copy_stream()
             if not self._group:
@@ -157,11 +158,12 @@ class GraphRuntime:
     def evict(self, loaded: torch.Tensor) -> None:
         self.store.ledger.on_evict(nbytes(loaded))
 
-    def _allocate(self, host: torch.Tensor, device: torch.device, block: int) -> torch.Tensor:
+    def _allocate(self, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device, block: int) -> torch.Tensor:
         try:
-            return torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
         except torch.OutOfMemoryError as e:
-            raise PorosOOMError(self.store.oom_message(block, host.numel() * host.element_size(), self.stream)) from e
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            raise PorosOOMError(self.store.oom_message(block, nbytes, self.stream)) from e
 
     def wrap(self, compiled: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
         """A boxed callable that runs ``compiled`` and books the run in the ledger."""

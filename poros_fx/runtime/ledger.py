@@ -1,8 +1,10 @@
 """The residency ledger: what of the frozen base is on the compute device, measured as it happens.
 
-Every runtime load adds the bytes of the device copy it made, every evict removes them; the peak is
+Every runtime load adds the bytes of the tensor it handed out, every evict removes them; the peak is
 taken after each load. Nothing here is derived from a formula: if a schedule keeps two blocks
-resident, the ledger sees two blocks.
+resident, the ledger sees two blocks. (A streamed group's tensors share one device buffer, freed with
+the last of them, so the device may hold up to one group's bytes more than the ledger says while a
+block's last tensors are still in use.)
 """
 
 from __future__ import annotations
