@@ -25,6 +25,7 @@ from .passes.block_partition import BLOCK, FORWARD
 from .passes.rng import PHASE
 
 from .dump import Dumper
+from .errors import PorosConfigError
 from .options import PorosOptions
 from .prepare import ENTRY_ATTR
 from .runtime.executor import GraphRuntime
@@ -76,6 +77,9 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
     primals = (f"primals_{i}" for i in itertools.count(1))
     schedule.host_inputs = {name: getattr(t, ENTRY_ATTR) for name, t in zip(primals, example_inputs)
                             if isinstance(t, torch.Tensor) and getattr(t, ENTRY_ATTR, None) is not None}
+    moved = [e.name for e in schedule.host_inputs.values() if e.host.device.type != "cpu"]
+    if moved:
+        raise PorosConfigError(store.moved_message(moved))
 
     def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
         schedule.num_fwd_outputs = num_fwd_outputs

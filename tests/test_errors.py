@@ -117,3 +117,24 @@ def test_unprepared_model_warns_and_runs_with_block_recompute():
     assert grads and all(torch.equal(a, b) for a, b in grads)
     with pytest.raises(poros_fx.PorosConfigError, match="not prepared"):
         poros_fx.stats(model)
+
+
+def test_a_prepared_model_whose_base_was_moved_is_refused():
+    """``model.to(device)`` after prepare moves the host store's tensors too (``Module._apply`` sets
+    each parameter's ``.data``); the backend refuses instead of streaming device-to-device with the
+    base resident. This machine has no second device, so the entry's tensor is swapped for a meta one
+    (test_gpu_parity moves a model with ``.cuda()``)."""
+    from poros_fx.prepare import get_store
+    from poros_fx.runtime.executor import GraphRuntime
+
+    model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
+    store = get_store(model)
+    entry = next(e for e in store.entries.values() if "q_proj" in e.name)
+    moved = entry.host.to("meta")
+    runtime = GraphRuntime(store, stream=True, phase="forward")
+    with pytest.raises(poros_fx.PorosConfigError, match=r"left the host store .*model.to"):
+        runtime.load_group([moved], torch.device("cpu"), 1)
+    entry.host = moved
+    step_model = torch.compile(model, backend="poros")
+    with pytest.raises(Exception, match=r"left the host store \(.*q_proj.*\).*model.to"):
+        step_model(**demo_batches(1)[0], use_cache=False)

@@ -75,6 +75,15 @@ def test_gpu_loads_run_on_the_copy_stream():
     assert get_store(model).copy_stream() is not torch.cuda.current_stream()
 
 
+def test_gpu_moving_a_prepared_model_to_the_device_is_refused():
+    model = lora_model(tiny_config("qwen2", layers=1), dtype=torch.bfloat16, device="cuda")
+    poros_fx.prepare(model, device="cuda")
+    model.cuda()  # moves every parameter, the host store's included
+    ids = torch.randint(0, 256, (1, 16), device="cuda")
+    with pytest.raises(Exception, match=r"left the host store .*model.to"):
+        torch.compile(model, backend="poros")(input_ids=ids, labels=ids, use_cache=False)
+
+
 def test_gpu_oom_names_a_schedule_that_fits():
     config = tiny_config("llama", layers=2, hidden=2048, heads=16, kv_heads=4, vocab=512)
     model = lora_model(config, dtype=torch.bfloat16, device="cuda")

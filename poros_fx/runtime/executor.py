@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import PorosOOMError
+from ..errors import PorosConfigError, PorosOOMError
 from .arena import ALIGN
 from .store import HostStore
 
@@ -74,6 +74,10 @@ class GraphRuntime:
 
         Each host range (``host_runs``) goes to the buffer at an offset with the same remainder mod
         ``ALIGN`` as its host address, so every tensor keeps its host alignment (the arena's 512 B)."""
+        if any(h.device.type != "cpu" for h in hosts):
+            raise PorosConfigError(self.store.moved_message([self.store.entries[id(h)].name if id(h) in
+                                                             self.store.entries else str(tuple(h.shape))
+                                                             for h in hosts if h.device.type != "cpu"]))
         runs = host_runs(hosts)
         offsets, size = [], 0
         for first, start, end, _ in runs:

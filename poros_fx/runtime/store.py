@@ -98,6 +98,16 @@ class HostStore:
                          "batch size, or free device memory held elsewhere in the process.")
         return " ".join(lines)
 
+    def moved_message(self, names: list[str]) -> str:
+        """What to say when base tensors of the store are no longer in host memory (``model.to(device)``
+        or ``model.cuda()`` after ``prepare`` moves every parameter, the frozen base included)."""
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return (f"base tensors of this prepared model left the host store ({shown} are not in host memory): "
+                "the model was moved (model.to(...) / model.cuda()) after poros_fx.prepare, which copies the whole "
+                "frozen base to the device and defeats streaming. prepare already put the adapter and everything "
+                "else on the compute device; do not move the model afterwards, or call poros_fx.unprepare(model) "
+                "first and prepare it again where it is.")
+
     def pinned(self) -> bool:
         return self.arena is not None and self.arena.pinned
 
