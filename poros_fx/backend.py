@@ -28,6 +28,7 @@ from .dump import Dumper
 from .errors import PorosConfigError
 from .options import PorosOptions
 from .prepare import ENTRY_ATTR
+from .runtime.depth import choose_prefetch
 from .runtime.executor import GraphRuntime
 from .runtime.store import HostStore
 from .schedule import Schedule
@@ -56,6 +57,16 @@ def _check_host_inputs(graph: fx.GraphModule, schedule: Schedule) -> None:
                                  "AOTAutograd's input order changed (please report this with your torch version)")
 
 
+def _measured_depth(store: HostStore | None) -> tuple[int, str]:
+    """The backward's prefetch depth from the forward's measured first run (runtime/depth.py)."""
+    if store is None:
+        return 1, "prefetch auto: 1 (the model is not prepared: nothing streams)"
+    sizes = store.block_bytes()
+    layer = max(sizes[1:-1]) if len(sizes) > 2 else max(sizes, default=0)
+    free = torch.cuda.mem_get_info(store.device)[0] if store.device.type == "cuda" else None
+    return choose_prefetch(store.timing, device_type=store.device.type, block_bytes=layer, free_bytes=free)
+
+
 def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """The backend. ``options``: ``block_size``, ``prefetch``, ``stream``, ``dump`` (see ``PorosOptions``)."""
     opts = PorosOptions.from_dict(options)
@@ -68,8 +79,10 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         options=opts,
         device=store.device if store else torch.device("cpu"),
         block_size=opts.block_size or (store.block_size if store else 1),
-        prefetch=opts.prefetch if opts.prefetch is not None else (store.prefetch if store else 1),
+        prefetch=(1 if opts.prefetch == "auto" else opts.prefetch if opts.prefetch is not None
+                  else (store.prefetch if store else 1)),
         stream=opts.stream,
+        auto_prefetch=opts.prefetch == "auto" and opts.stream,
         layer_attr=store.family.layer_attr if store else "layers",
     )
     if store is not None:
@@ -107,7 +120,10 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
     def compiler(phase: str) -> Callable:
         def compile_graph(graph: fx.GraphModule, _inputs: Any) -> Callable:
             graph.meta[PHASE] = phase
-            schedule.runtime = GraphRuntime(store, schedule.stream, phase)
+            if schedule.auto_prefetch and phase == "backward":
+                schedule.prefetch, schedule.prefetch_note = _measured_depth(store)
+            schedule.runtime = GraphRuntime(store, schedule.stream, phase,
+                                            measure=schedule.auto_prefetch and phase == "forward")
             if not schedule.blocks:  # an inference graph: no joint graph went through the partitioner
                 schedule.num_fwd_outputs = len(next(iter(graph.graph.find_nodes(op="output"))).args[0])
                 for inference_pass in INFERENCE_PASSES:

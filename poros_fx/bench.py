@@ -8,7 +8,8 @@ Methods (``METHODS``): ``peft_resident`` (PEFT LoRA on a bitsandbytes NF4 base, 
 ``peft_checkpointing`` (the same + non-reentrant activation checkpointing), ``compiled_resident``
 (the same under plain ``torch.compile``/Inductor; opt-in, 0.5B/7B only), ``poros`` (streamed, one
 row per block size), ``poros_resident`` (``options={"stream": False}``) and, opt-in,
-``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor instead of per block). Models: random-init
+``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor instead of per block) and
+``poros_auto`` (``options={"prefetch": "auto"}``). Models: random-init
 Qwen2.5 shapes (0.5b/7b/32b/72b), or ``tiny`` (a 2-layer qwen2 config, for CPU runs). Recipe: LoRA
 r16 alpha 32 dropout 0.05 on all seven projections, AdamW, batch 1; one row per (seq, accum) pair of
 the grid (``star``: the first seq and accum, plus each other seq at the first accum and each other
@@ -141,6 +142,11 @@ def _poros_tensor_copies(model: nn.Module, block_size: int | None) -> Runner:
                   teardown=_poros_teardown(model))
 
 
+def _poros_auto(model: nn.Module, block_size: int | None) -> Runner:
+    return Runner(torch.compile(model, backend="poros", options={"block_size": block_size or 1, "prefetch": "auto"}),
+                  teardown=_poros_teardown(model))
+
+
 def _poros_resident(model: nn.Module, block_size: int | None) -> Runner:
     return Runner(torch.compile(model, backend="poros", options={"stream": False}), teardown=_poros_teardown(model))
 
@@ -152,6 +158,8 @@ METHODS: Mapping[str, Method] = types.MappingProxyType({
                                 models=COMPILED_RESIDENT_MODELS),
     "poros": Method("poros", "prepared", _poros, compiled=True, streams=True, per_block_size=True),
     "poros_resident": Method("poros_resident", "prepared", _poros_resident, compiled=True, streams=True),
+    # prefetch "auto": the backward's depth from the measured first forward (opt-in)
+    "poros_auto": Method("poros_auto", "prepared", _poros_auto, compiled=True, streams=True, per_block_size=True),
     # the runtime before a block became one copy: one copy and allocation per tensor (opt-in, for A/B runs)
     "poros_tensor_copies": Method("poros_tensor_copies", "prepared", _poros_tensor_copies, compiled=True,
                                   streams=True, per_block_size=True),
@@ -387,6 +395,7 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
 
     ``base_bytes``: the host store's size; ``streamed_bytes``: what one pass loads (every block once:
     the embedding's table is gathered, not loaded), the floor's numerator."""
+    from .prepare import get_store
     from .stats import stats
 
     device = holder.device
@@ -444,6 +453,10 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
             row["h2d_gbps"] = _sig(s["bytes_loaded"] / sum(times) / 1e9)
             row["peak_resident_base_gb"] = round(s["peak_resident_base_bytes"] / 1e9, 3)
             row["copies_per_step"] = round(s["copies"] / len(times))  # host-to-device copy calls
+            schedules = getattr(get_store(model), "schedules", [])
+            row["prefetch"] = schedules[-1].prefetch if schedules else None
+            if schedules and schedules[-1].prefetch_note:
+                row["prefetch_note"] = schedules[-1].prefetch_note
         if device.type == "cuda":
             row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
         if config.profile_dir is not None:  # after the peak is read: the profiler allocates too

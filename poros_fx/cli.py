@@ -400,7 +400,7 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
 def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: tiny, 0.5b, 7b, 32b, 72b"),
           methods: str = typer.Option("peft_resident,peft_checkpointing,poros,poros_resident",
                                       help="comma-separated: peft_resident, peft_checkpointing, compiled_resident, "
-                                      "poros, poros_resident, poros_tensor_copies"),
+                                      "poros, poros_resident, poros_tensor_copies, poros_auto"),
           block_sizes: str = typer.Option("1,2,4", help="poros block sizes, one row each"),
           seqs: str = typer.Option("512,2048", help="sequence lengths; the first is the base"),
           accums: str = typer.Option("1,4", help="gradient accumulation; the first is the base"),

@@ -69,6 +69,8 @@ class Schedule:
     rng_slots: list[RngSlot] = dataclasses.field(default_factory=list)
     saved_boundaries: list[str] = dataclasses.field(default_factory=list)  # forward values the backward keeps
     runtime: Any = None  # runtime.executor.GraphRuntime of the graph being compiled
+    auto_prefetch: bool = False  # options={"prefetch": "auto"}: the backward's depth is measured
+    prefetch_note: str = ""  # how the backward's depth was chosen (auto)
     graphs: dict[str, Any] = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> final GraphModule
 
     def load_source(self, load: Any) -> tuple[str, int]:
@@ -90,7 +92,7 @@ class Schedule:
     def table(self) -> str:
         """One line per block: loads per phase, prefetch position, evicts, recompute region, RNG slots."""
         head = (f"graph {self.graph_id}: stream={self.stream} block_size={self.block_size} prefetch={self.prefetch} "
-                f"device={self.device}\n")
+                f"device={self.device}\n" + (f"{self.prefetch_note}\n" if self.prefetch_note else ""))
         cols = ["block", "name", "base_bytes", "fw_loads", "fw_issued_at", "bw_loads", "bw_issued_at", "evicts",
                 "fw_nodes", "recomputed", "rng_slots"]
         rows = [cols]

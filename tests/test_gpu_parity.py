@@ -75,6 +75,28 @@ def test_gpu_loads_run_on_the_copy_stream():
     assert get_store(model).copy_stream() is not torch.cuda.current_stream()
 
 
+def test_gpu_auto_prefetch_is_measured_and_exact(deterministic):
+    """prefetch "auto": the first forward's copies and blocks are timed, the backward's depth comes from
+    them, and training equals stream=False."""
+    config = tiny_config("qwen2", layers=4, hidden=256, heads=4, kv_heads=2, vocab=1024)
+    batches = [{k: v.cuda() for k, v in b.items()} for b in demo_batches(8, vocab=1024, seq=128, batch=1)]
+
+    def run(options):
+        torch._dynamo.reset()
+        model = lora_model(config, dtype=torch.bfloat16, nf4=True, dropout=0.1, device="cuda")
+        poros_fx.prepare(model, device="cuda")
+        trace = train(model, torch.compile(model, backend="poros", options=options), batches, accumulate=2)
+        return trace, get_store(model)
+
+    auto, store = run({"prefetch": "auto"})
+    resident, _ = run({"stream": False})
+    diffs = compare(auto, resident)
+    assert diffs == {s: 0.0 for s in SURFACES}, format_diffs("prefetch auto vs stream=False (cuda)", diffs)
+    (schedule,) = store.schedules
+    assert store.timing["groups"] >= 4 and store.timing["copy_ms"] > 0 and store.timing["block_compute_ms"] > 0
+    assert "measured in the first forward" in schedule.prefetch_note and 1 <= schedule.prefetch <= 4
+
+
 def test_gpu_moving_a_prepared_model_to_the_device_is_refused():
     model = lora_model(tiny_config("qwen2", layers=1), dtype=torch.bfloat16, device="cuda")
     poros_fx.prepare(model, device="cuda")

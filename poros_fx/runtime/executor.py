@@ -59,11 +59,15 @@ def host_runs(hosts: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, l
 
 
 class GraphRuntime:
-    def __init__(self, store: HostStore | None, stream: bool, phase: str) -> None:
+    def __init__(self, store: HostStore | None, stream: bool, phase: str, measure: bool = False) -> None:
         self.store = store
         self.stream = stream
         self.phase = phase
         self.overlap = stream and store is not None and store.device.type == "cuda"
+        # time the first run's copies and blocks with CUDA events (prefetch "auto", runtime/depth.py)
+        self.measure = measure and self.overlap
+        self._copy_times: list[tuple[Any, Any]] = []  # (start, done) on the copy stream, per group
+        self._wait_times: list[tuple[Any, Any]] = []  # (before, after) each group's wait, compute stream
         self._blocks_loaded: set[int] = set()
         self._group: list[torch.Tensor] = []  # loads issued since the group's ready event
         self._pending: dict[int, Any] = {}  # id(device copy) -> the copy stream's done event
@@ -102,10 +106,13 @@ class GraphRuntime:
         if self.overlap:
             copy_stream = self.store.copy_stream()
             copy_stream.wait_event(torch.cuda.current_stream(device).record_event())
+            start = self._timing_event(copy_stream)
             with torch.cuda.stream(copy_stream):
                 for dst, src in copies:
                     dst.copy_(src, non_blocking=True)
-            done = copy_stream.record_event()
+            done = self._timing_event(copy_stream) if self.measure else copy_stream.record_event()
+            if self.measure:
+                self._copy_times.append((start, done))
             self._pending.update((id(t), done) for t in out)
         else:
             for dst, src in copies:
@@ -155,9 +162,34 @@ class GraphRuntime:
         """``loaded``, once its copy has landed (the compute stream waits for the copy's group)."""
         done = self._pending.pop(id(loaded), None)
         if done is not None and done is not self._waited:
-            torch.cuda.current_stream(loaded.device).wait_event(done)
+            compute = torch.cuda.current_stream(loaded.device)
+            before = self._timing_event(compute)
+            compute.wait_event(done)
+            if self.measure:
+                self._wait_times.append((before, self._timing_event(compute)))
             self._waited = done
         return loaded
+
+    def _timing_event(self, stream: Any) -> Any:
+        """A timing event recorded on ``stream`` while measuring, else ``None``."""
+        if not self.measure:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def _finish_measuring(self) -> None:
+        """After the first measured run: block copy and compute times into ``store.timing``."""
+        from .depth import summarize_timing
+
+        torch.cuda.synchronize(self.store.device)
+        copy_ms = [a.elapsed_time(b) for a, b in self._copy_times]
+        # a block computes from the end of its group's wait to the start of the next group's wait
+        compute_ms = [after.elapsed_time(nxt) for (_, after), (nxt, _) in zip(self._wait_times, self._wait_times[1:])]
+        stall_ms = [a.elapsed_time(b) for a, b in self._wait_times]
+        self.store.timing = summarize_timing(copy_ms, compute_ms, stall_ms)
+        self.measure = False
+        self._copy_times, self._wait_times = [], []
 
     def evict(self, loaded: torch.Tensor) -> None:
         self.store.ledger.on_evict(nbytes(loaded))
@@ -178,6 +210,8 @@ class GraphRuntime:
             if self._group or self._pending:
                 raise AssertionError(f"{self.phase} graph ended with loads it never waited for")
             self._waited = None
+            if self.measure:
+                self._finish_measuring()
             if self.store is not None:
                 ledger = self.store.ledger
                 if self.phase == "forward":

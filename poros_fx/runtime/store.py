@@ -48,6 +48,7 @@ class HostStore:
     head_chunks: int = 1  # row chunks the lm_head weight is loaded in
     undo: list[Any] = dataclasses.field(default_factory=list)  # callables that reverse prepare, in order
     schedules: list[Any] = dataclasses.field(default_factory=list)  # one per graph the backend compiled
+    timing: dict[str, Any] | None = None  # the last measured forward run (prefetch "auto"; runtime/depth.py)
     _copy_stream: Any = dataclasses.field(default=None, repr=False)
 
     def block_bytes(self) -> list[int]:
