@@ -23,6 +23,7 @@ def test_depth_hides_a_copy_under_the_backward_of_the_blocks_before_it():
     assert choose_prefetch(None, device_type="cuda", block_bytes=1, free_bytes=None) == (
         1, "prefetch auto: 1 (nothing measured: the backward was compiled before the forward ran)")
     assert choose_prefetch(timing, device_type="cpu", block_bytes=1, free_bytes=None)[0] == 1
+    assert choose_prefetch(summarize_timing([8.0], [], []), device_type="cuda", block_bytes=1, free_bytes=None)[0] == 1
 
 
 def test_auto_prefetch_on_the_cpu_trains_like_prefetch_1_and_says_why():

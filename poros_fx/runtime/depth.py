@@ -38,8 +38,10 @@ def choose_prefetch(timing: dict[str, Any] | None, *, device_type: str, block_by
     if not timing or not timing.get("groups"):
         return 1, "prefetch auto: 1 (nothing measured: the backward was compiled before the forward ran)"
     copy, forward = timing["copy_ms"], timing["block_compute_ms"]
+    if forward <= 0:  # one group: no block was timed between two waits
+        return 1, "prefetch auto: 1 (one prefetch group in the forward: a block's compute was not measured)"
     backward = BACKWARD_FACTOR * forward
-    depth = min(LIMIT, max(1, math.ceil(copy / backward))) if backward > 0 else LIMIT
+    depth = min(LIMIT, max(1, math.ceil(copy / backward)))
     why = (f"prefetch auto: {{depth}} for the backward (measured in the first forward: a block's copy "
            f"{copy:.2f} ms, its forward compute {forward:.2f} ms, so ~{backward:.2f} ms of backward per block")
     if free_bytes is not None and block_bytes > 0:
