@@ -3,7 +3,7 @@
 ``GraphRuntime.load_group`` copies one prefetch group (a block's base tensors) to the device: one
 device buffer, one copy per contiguous range of host memory (the store's arena keeps a block's
 tensors side by side, so a block is one copy, not one per tensor: a 7B step made 2,252 copy calls
-and allocations before, 60 now, and the step is bound by the CPU launching work). ``load`` hands out
+and allocations before, 68 now, and the step is bound by the CPU launching work). ``load`` hands out
 one tensor of that group (a view of the buffer) and books it in the ledger; ``wait`` makes the compute
 stream wait for the group's copy just before the tensor's first reader; ``evict`` books it out at its
 last use (the buffer goes when the graph drops the group's last tensor). With ``stream=False`` a
@@ -106,13 +106,13 @@ class GraphRuntime:
         if self.overlap:
             copy_stream = self.store.copy_stream()
             copy_stream.wait_event(torch.cuda.current_stream(device).record_event())
-            start = self._timing_event(copy_stream)
+            copy_start = self._timing_event(copy_stream)
             with torch.cuda.stream(copy_stream):
                 for dst, src in copies:
                     dst.copy_(src, non_blocking=True)
             done = self._timing_event(copy_stream) if self.measure else copy_stream.record_event()
             if self.measure:
-                self._copy_times.append((start, done))
+                self._copy_times.append((copy_start, done))
             self._pending.update((id(t), done) for t in out)
         else:
             for dst, src in copies:
