@@ -82,6 +82,13 @@ def prefetch(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
 
 def _move_before(load: fx.Node, anchor: fx.Node, position: dict[fx.Node, int]) -> None:
     """Put ``load`` (and the host-side views it reads, for a head chunk) right before ``anchor``."""
+    move_host_views_before(load, anchor, position)
+    anchor.prepend(load)
+
+
+def move_host_views_before(load: fx.Node, anchor: fx.Node, position: dict[fx.Node, int]) -> None:
+    """Put the host-side views ``load`` reads (a head chunk's row slice) that come after ``anchor``
+    right before it, in order."""
     src = load.args[0]
     chain = []
     while getattr(src, "op", None) == "call_function" and position[src] > position[anchor]:
@@ -89,4 +96,3 @@ def _move_before(load: fx.Node, anchor: fx.Node, position: dict[fx.Node, int]) -
         src = src.args[0]
     for view in reversed(chain):
         anchor.prepend(view)
-    anchor.prepend(load)

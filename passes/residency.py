@@ -39,7 +39,7 @@ from poros_fx.ops import LOAD
 from poros_fx.schedule import Evict, Schedule
 
 from .block_partition import BLOCK
-from .prefetch import GROUP
+from .prefetch import GROUP, move_host_views_before
 from .rng import PHASE
 
 
@@ -62,12 +62,11 @@ def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     position = {n: i for i, n in enumerate(graph.nodes)}
     output = next(iter(graph.find_nodes(op="output")))
     loads = [n for n in graph.nodes if n.target is LOAD]
-    # the prefetch pass numbered each load's group; the runtime records one copy-done event per group
-    last_in_group = {ld: nxt is None or GROUP not in ld.meta or nxt.meta.get(GROUP) != ld.meta[GROUP]
-                     for ld, nxt in zip(loads, [*loads[1:], None])}
+    # the prefetch pass numbered each load's group (consecutive loads); one copy-done event per group
     groups: dict[object, list[fx.Node]] = {}
     for ld in loads:
         groups.setdefault(ld.meta.get(GROUP, ld), []).append(ld)
+    last_in_group = {ld: ld is members[-1] for members in groups.values() for ld in members}
     batch_of = {}
     if schedule.stream and schedule.options.group_copies:
         for members in groups.values():
@@ -107,12 +106,7 @@ def _group_copy(graph: fx.Graph, runtime: object, members: list[fx.Node]) -> fx.
     first = members[0]
     position = {n: i for i, n in enumerate(graph.nodes)}
     for ld in members[1:]:
-        chain, src = [], ld.args[0]
-        while getattr(src, "op", None) == "call_function" and position[src] > position[first]:
-            chain.append(src)
-            src = src.args[0]
-        for view in reversed(chain):
-            first.prepend(view)
+        move_host_views_before(ld, first, position)
     with graph.inserting_before(first):
         batch = graph.call_function(runtime.load_group, ([ld.args[0] for ld in members], first.args[1],
                                                          first.meta[BLOCK]))

@@ -132,19 +132,19 @@ def _poros_teardown(model: nn.Module) -> Callable[[], None]:
     return teardown
 
 
-def _poros(model: nn.Module, block_size: int | None) -> Runner:
-    return Runner(torch.compile(model, backend="poros", options={"block_size": block_size or 1}),
-                  teardown=_poros_teardown(model))
+def _poros_with(**options: Any) -> Callable[[nn.Module, int | None], Runner]:
+    """A streamed poros method: the row's block size plus ``options``."""
+
+    def setup(model: nn.Module, block_size: int | None) -> Runner:
+        return Runner(torch.compile(model, backend="poros", options={"block_size": block_size or 1, **options}),
+                      teardown=_poros_teardown(model))
+
+    return setup
 
 
-def _poros_tensor_copies(model: nn.Module, block_size: int | None) -> Runner:
-    return Runner(torch.compile(model, backend="poros", options={"block_size": block_size or 1, "group_copies": False}),
-                  teardown=_poros_teardown(model))
-
-
-def _poros_auto(model: nn.Module, block_size: int | None) -> Runner:
-    return Runner(torch.compile(model, backend="poros", options={"block_size": block_size or 1, "prefetch": "auto"}),
-                  teardown=_poros_teardown(model))
+_poros = _poros_with()
+_poros_tensor_copies = _poros_with(group_copies=False)
+_poros_auto = _poros_with(prefetch="auto")
 
 
 def _poros_resident(model: nn.Module, block_size: int | None) -> Runner:

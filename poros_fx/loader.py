@@ -37,7 +37,7 @@ from torch import nn
 from .errors import PorosConfigError, PorosError
 from .families import Family, resolve
 from .prepare import check_block_options, prepare, quant_state_tensors, resolve_device, set_quant_state, unwrap
-from .runtime.arena import HostArena, aligned
+from .runtime.arena import HostArena, aligned, nbytes
 from .sizes import nf4_bytes
 
 if TYPE_CHECKING:
@@ -563,7 +563,7 @@ def _materialize(model: nn.Module, jobs: list[tuple[list[str], Fetch]], compute:
 
         raw = fetch(alloc)
         value = raw.to(target_dtype)
-        inflight = _nbytes(raw) + (_nbytes(value) if value is not raw else 0)
+        inflight = nbytes(raw) + (nbytes(value) if value is not raw else 0)
         if _is_nf4_weight(owner, attr):
             if len(names) > 1:
                 raise LoaderError(f"{names}: a tied NF4 weight is not supported")
@@ -586,13 +586,9 @@ def _materialize(model: nn.Module, jobs: list[tuple[list[str], Fetch]], compute:
             for name in names:  # one Parameter under every name keeps a tied pair tied
                 mod_name, leaf = _split(name)
                 model.get_submodule(mod_name)._parameters[leaf] = param
-        advance(_nbytes(raw))
+        advance(nbytes(raw))
         del raw, value, stored  # nothing of this tensor but the stored copy outlives the iteration
     return peak
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _place_nf4(q: torch.Tensor, arena: HostArena) -> None:
@@ -626,7 +622,7 @@ def _quantize_nf4(weight: torch.Tensor, compute: torch.device) -> tuple[nn.Param
                           blocksize=NF4_BLOCKSIZE).to(compute)
     device_bytes = 0
     if q.device.type != "cpu":
-        device_bytes = _nbytes(weight) + _nbytes(q)
+        device_bytes = nbytes(weight) + nbytes(q)
         q = q.to("cpu")  # a quantized Params4bit moves its quant state along, in place
     return q, device_bytes
 

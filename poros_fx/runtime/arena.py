@@ -27,6 +27,11 @@ PAGE = 4096
 TRIM_EVERY = 64 * 2**20  # bytes placed between two returns of freed source memory to the OS
 
 
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements."""
+    return t.numel() * t.element_size()
+
+
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
@@ -58,7 +63,7 @@ class HostArena:
         ``t`` itself when it already lives here."""
         if self.holds(t):
             return t
-        view = self._take(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+        view = self._take(nbytes(t)).view(t.dtype).view(t.shape)
         view.copy_(t.detach())
         return view
 

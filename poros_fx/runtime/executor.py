@@ -31,14 +31,10 @@ from typing import Any, Callable
 import torch
 
 from ..errors import PorosConfigError, PorosOOMError
-from .arena import ALIGN
+from .arena import ALIGN, nbytes
 from .store import HostStore
 
 RUN_GAP = 256 * 2**10  # host bytes a copy may span that no load reads, rather than start another copy
-
-
-def nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def host_runs(hosts: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, list[int]]]:
@@ -78,10 +74,9 @@ class GraphRuntime:
 
         Each host range (``host_runs``) goes to the buffer at an offset with the same remainder mod
         ``ALIGN`` as its host address, so every tensor keeps its host alignment (the arena's 512 B)."""
-        if any(h.device.type != "cpu" for h in hosts):
-            raise PorosConfigError(self.store.moved_message([self.store.entries[id(h)].name if id(h) in
-                                                             self.store.entries else str(tuple(h.shape))
-                                                             for h in hosts if h.device.type != "cpu"]))
+        moved = [self.store.name_of(h) for h in hosts if h.device.type != "cpu"]
+        if moved:
+            raise PorosConfigError(self.store.moved_message(moved))
         runs = host_runs(hosts)
         offsets, size = [], 0
         for first, start, end, _ in runs:
@@ -198,8 +193,8 @@ class GraphRuntime:
         try:
             return torch.empty_strided(shape, stride, dtype=dtype, device=device)
         except torch.OutOfMemoryError as e:
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            raise PorosOOMError(self.store.oom_message(block, nbytes, self.stream)) from e
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            raise PorosOOMError(self.store.oom_message(block, size, self.stream)) from e
 
     def wrap(self, compiled: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
         """A boxed callable that runs ``compiled`` and books the run in the ledger."""

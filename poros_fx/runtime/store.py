@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .arena import HostArena
+from .arena import HostArena, nbytes
 from .ledger import ResidencyLedger
 
 
@@ -29,7 +29,7 @@ class HostEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.host.numel() * self.host.element_size()  # the host tensor is a view of the arena
+        return nbytes(self.host)  # the host tensor is a view of the arena
 
 
 @dataclasses.dataclass(eq=False)
@@ -98,6 +98,11 @@ class HostStore:
                          f"more than the {budget / gib:.2f} GiB the base can use: shorten the sequence, lower the "
                          "batch size, or free device memory held elsewhere in the process.")
         return " ".join(lines)
+
+    def name_of(self, t: torch.Tensor) -> str:
+        """The store's name for host tensor ``t`` (its shape when it is not an entry, e.g. a head chunk)."""
+        entry = self.entries.get(id(t))
+        return entry.name if entry is not None else f"a tensor of shape {tuple(t.shape)}"
 
     def moved_message(self, names: list[str]) -> str:
         """What to say when base tensors of the store are no longer in host memory (``model.to(device)``
