@@ -658,7 +658,9 @@ def markdown(doc: dict[str, Any]) -> str:
     env = doc["env"]
     lines = [
         "# Streamed loader memory (scripts/load_memory.py)", "",
-        "Command:", "", "```", doc["command"], "```", "",
+        "Commands (the rows come from these runs, merged; the last ran last):" if doc.get("commands") else "Command:",
+        "", "```", *(doc.get("commands") or [doc["command"]]), "```", "",
+        *[f"Note: {n}" for n in doc.get("notes", [])], *([""] if doc.get("notes") else []),
         (f"torch {env.get('torch')} (CUDA {env.get('cuda')}), GPU {env.get('gpu_name')}, transformers "
          f"{env.get('transformers')}, peft {env.get('peft')}, bitsandbytes {env.get('bitsandbytes')}, host RAM "
          f"{fmt_gib(env.get('host_ram_bytes'), 1)} GiB, {env.get('cpu_count')} CPUs, git {env.get('git')}."), "",
