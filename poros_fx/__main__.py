@@ -18,6 +18,7 @@ import time
 import torch
 
 from . import prepare, stats
+from .prepare import parse_prefetch
 from .families import VALIDATED
 from .parity import SURFACES, compare, format_diffs, train
 from .tiny import demo_batches, tiny_lora_model
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--accumulate", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=1)
-    ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--prefetch", type=parse_prefetch, default="auto", help="an integer >= 0, or auto (measured)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--out", default="poros-demo-adapter", help="folder for the PEFT adapter")
     args = ap.parse_args(argv)

@@ -27,7 +27,7 @@ from .passes.rng import PHASE
 from .dump import Dumper
 from .errors import PorosConfigError
 from .options import PorosOptions
-from .prepare import ENTRY_ATTR
+from .prepare import AUTO, ENTRY_ATTR
 from .runtime.depth import choose_prefetch
 from .runtime.executor import GraphRuntime
 from .runtime.store import HostStore
@@ -74,15 +74,15 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
     if store is None:
         warnings.warn(UNPREPARED_WARNING, stacklevel=2)
     dumper = Dumper(opts.dump)
+    requested = opts.prefetch if opts.prefetch is not None else (store.prefetch if store else 1)
     schedule = Schedule(
         graph_id=dumper.folder.name if dumper.folder else hex(id(gm)),
         options=opts,
         device=store.device if store else torch.device("cpu"),
         block_size=opts.block_size or (store.block_size if store else 1),
-        prefetch=(1 if opts.prefetch == "auto" else opts.prefetch if opts.prefetch is not None
-                  else (store.prefetch if store else 1)),
+        prefetch=1 if requested == AUTO else requested,  # "auto": the forward loads one block ahead
         stream=opts.stream,
-        auto_prefetch=opts.prefetch == "auto" and opts.stream,
+        auto_prefetch=requested == AUTO and opts.stream,
         layer_attr=store.family.layer_attr if store else "layers",
     )
     if store is not None:

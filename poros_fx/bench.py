@@ -7,9 +7,10 @@
 Methods (``METHODS``): ``peft_resident`` (PEFT LoRA on a bitsandbytes NF4 base, eager),
 ``peft_checkpointing`` (the same + non-reentrant activation checkpointing), ``compiled_resident``
 (the same under plain ``torch.compile``/Inductor; opt-in, 0.5B/7B only), ``poros`` (streamed, one
-row per block size), ``poros_resident`` (``options={"stream": False}``) and, opt-in,
-``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor instead of per block) and
-``poros_auto`` (``options={"prefetch": "auto"}``). Models: random-init
+row per block size; the default options, so prefetch "auto"), ``poros_resident`` (``options={"stream":
+False}``) and, opt-in, ``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor
+instead of per block) and ``poros_prefetch1`` (``options={"prefetch": 1}``: the fixed depth that was the
+default before "auto"). Models: random-init
 Qwen2.5 shapes (0.5b/7b/32b/72b), or ``tiny`` (a 2-layer qwen2 config, for CPU runs). Recipe: LoRA
 r16 alpha 32 dropout 0.05 on all seven projections, AdamW, batch 1; one row per (seq, accum) pair of
 the grid (``star``: the first seq and accum, plus each other seq at the first accum and each other
@@ -144,7 +145,7 @@ def _poros_with(**options: Any) -> Callable[[nn.Module, int | None], Runner]:
 
 _poros = _poros_with()
 _poros_tensor_copies = _poros_with(group_copies=False)
-_poros_auto = _poros_with(prefetch="auto")
+_poros_prefetch1 = _poros_with(prefetch=1)
 
 
 def _poros_resident(model: nn.Module, block_size: int | None) -> Runner:
@@ -158,8 +159,9 @@ METHODS: Mapping[str, Method] = types.MappingProxyType({
                                 models=COMPILED_RESIDENT_MODELS),
     "poros": Method("poros", "prepared", _poros, compiled=True, streams=True, per_block_size=True),
     "poros_resident": Method("poros_resident", "prepared", _poros_resident, compiled=True, streams=True),
-    # prefetch "auto": the backward's depth from the measured first forward (opt-in)
-    "poros_auto": Method("poros_auto", "prepared", _poros_auto, compiled=True, streams=True, per_block_size=True),
+    # a fixed prefetch depth of 1 against the default "auto" (opt-in, for A/B runs)
+    "poros_prefetch1": Method("poros_prefetch1", "prepared", _poros_prefetch1, compiled=True, streams=True,
+                              per_block_size=True),
     # the runtime before a block became one copy: one copy and allocation per tensor (opt-in, for A/B runs)
     "poros_tensor_copies": Method("poros_tensor_copies", "prepared", _poros_tensor_copies, compiled=True,
                                   streams=True, per_block_size=True),

@@ -31,6 +31,21 @@ console = Console()
 BUILTIN = ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b")
 
 
+def _prefetch(value: str) -> int | str:
+    from .errors import PorosConfigError
+    from .prepare import parse_prefetch
+
+    try:
+        return parse_prefetch(value)
+    except PorosConfigError as e:
+        raise typer.BadParameter(str(e))
+
+
+PREFETCH_OPTION = typer.Option("auto", callback=_prefetch, help="blocks loaded ahead of the one computing: an "
+                               "integer >= 0, or auto (one in the forward; the backward's depth measured in the "
+                               "first forward)")
+
+
 def load_config(model_or_config: str):
     """A transformers config from a built-in name, a config.json, a folder, or the local hub cache."""
     import transformers
@@ -102,10 +117,11 @@ def doctor() -> None:
 @app.command()
 def check(model_or_config: str = typer.Argument(..., help="built-in shape, config.json, folder or cached hub id"),
           quantization: str = typer.Option("nf4", help="nf4 or bf16"),
-          block_size: int = typer.Option(1, min=1), prefetch: int = typer.Option(1, min=0)) -> None:
+          block_size: int = typer.Option(1, min=1), prefetch: str = PREFETCH_OPTION) -> None:
     """Family and its status, base bytes per block, and the predicted resident peak of the base. No weights."""
     from .errors import UnsupportedArchitectureError
     from .families import resolve
+    from .runtime.depth import LIMIT
     from .sizes import block_bytes
 
     config = load_config(model_or_config)
@@ -127,8 +143,11 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
     console.print(f"base: {sum(sizes) / 2**30:.2f} GiB loaded by {len(names)} blocks per pass (the embedding's rows are "
                   "gathered from the host store, its table is loaded only where the head shares it); "
                   f"largest block {max(sizes) / 2**20:,.1f} MiB ({names[sizes.index(max(sizes))]})")
-    console.print(f"predicted peak of base weights on the device: (1 + prefetch {prefetch}) x largest block = "
-                  f"{(1 + prefetch) * max(sizes) / 2**20:,.1f} MiB (adapter, activations and logits come on top)")
+    ahead = 1 if prefetch == "auto" else int(prefetch)
+    console.print(f"predicted peak of base weights on the device: (1 + prefetch {ahead}) x largest block = "
+                  f"{(1 + ahead) * max(sizes) / 2**20:,.1f} MiB (adapter, activations and logits come on top)"
+                  + ("; prefetch auto loads one block ahead in the forward and deepens the backward only as far as "
+                     f"half the free device memory allows (at most {LIMIT} blocks)" if prefetch == "auto" else ""))
 
 
 @app.command()
@@ -136,7 +155,7 @@ def dump(model_or_config: str = typer.Argument(..., help="built-in shape, config
          out: Path = typer.Option(Path("poros-dump"), help="folder for graphs, schedule.txt and timeline.png"),
          layers: int = typer.Option(2, min=1, help="decoder layers to build (real widths, random init)"),
          seq: int = typer.Option(64, min=1), nf4: bool = typer.Option(False, help="quantize the base to NF4"),
-         block_size: int = typer.Option(1, min=1), prefetch: int = typer.Option(1, min=0),
+         block_size: int = typer.Option(1, min=1), prefetch: str = PREFETCH_OPTION,
          device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when present)")) -> None:
     """Compile one training step and write its dumps, without training (random weights, LAYERS layers)."""
     import torch
@@ -211,7 +230,7 @@ def train(model: Optional[str] = typer.Argument(None, help="model folder (save_p
                                     "truncated)"),
           batch_size: int = typer.Option(1, min=1, help="rows per micro-batch"),
           accumulate: int = typer.Option(1, min=1, help="micro-batches per optimizer step"),
-          block_size: int = typer.Option(1, min=1), prefetch: int = typer.Option(1, min=0),
+          block_size: int = typer.Option(1, min=1), prefetch: str = PREFETCH_OPTION,
           device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when present)"),
           seed: int = typer.Option(0, help="seeds the LoRA init, dropout, data order (and --from-config weights)"),
           log_every: Optional[int] = typer.Option(None, min=1, help="steps between log lines when not on a terminal "

@@ -13,7 +13,7 @@ Example::
     from poros_fx.hf import PorosTrainer
 
     trainer = PorosTrainer(model=peft_model, args=transformers.TrainingArguments(...),
-                           train_dataset=ds, poros_options={"block_size": 1, "prefetch": 1})
+                           train_dataset=ds, poros_options={"block_size": 1})
     trainer.train()
 """
 
@@ -28,7 +28,7 @@ from torch import nn
 
 from .errors import PorosConfigError
 from .options import PorosOptions
-from .prepare import ENTRY_ATTR, get_store, prepare
+from .prepare import AUTO, ENTRY_ATTR, get_store, prepare
 
 
 class PorosTrainer(transformers.Trainer):
@@ -37,7 +37,7 @@ class PorosTrainer(transformers.Trainer):
     ``poros_options``: the backend's ``options`` (``block_size``, ``prefetch``, ``stream``, ``dump``)
     plus ``device``, the compute device for ``poros_fx.prepare`` (default: ``args.device``). A model
     that is not prepared yet is prepared with ``device``, ``block_size`` and ``prefetch`` (default 1
-    and 1); a prepared one keeps its store, and ``block_size`` / ``prefetch`` here regroup the
+    and ``"auto"``); a prepared one keeps its store, and ``block_size`` / ``prefetch`` here regroup the
     compiled graph only. Single process, single device.
     """
 
@@ -62,7 +62,7 @@ class PorosTrainer(transformers.Trainer):
         if get_store(model) is None:
             device = self.poros_device if self.poros_device is not None else self.args.device
             prepare(model, device=device, block_size=self.poros_options.get("block_size", 1),
-                    prefetch=self.poros_options.get("prefetch", 1))
+                    prefetch=self.poros_options.get("prefetch", AUTO))
         return model
 
     def poros_model(self, model: nn.Module) -> nn.Module:

@@ -85,7 +85,7 @@ class LoadReport:
 # -- public API -------------------------------------------------------------------------------------
 
 def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization = "nf4",
-                    device: str | torch.device | None = None, block_size: int = 1, prefetch: int = 1,
+                    device: str | torch.device | None = None, block_size: int = 1, prefetch: int | str = "auto",
                     lora: "peft.PeftConfig | None" = None, family: Family | None = None, *,
                     revision: str | None = None, cache_dir: str | os.PathLike | None = None, progress: bool = True,
                     available_ram: int | Callable[[], int | None] | None = None,
@@ -132,7 +132,7 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
 
 def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", quantization: Quantization = "nf4",
                 device: str | torch.device | None = None, seed: int = 0, lora: "peft.PeftConfig | None" = None,
-                block_size: int = 1, prefetch: int = 1, family: Family | None = None, *, progress: bool = True,
+                block_size: int = 1, prefetch: int | str = "auto", family: Family | None = None, *, progress: bool = True,
                 available_ram: int | Callable[[], int | None] | None = None,
                 head_chunks: int | None = None) -> nn.Module:
     """Like ``load_pretrained`` with random-init weights instead of a checkpoint (benchmarks, no hub).
@@ -662,7 +662,7 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
         warnings.warn(f"{folder / 'generation_config.json'} not used: {e}", stacklevel=3)
 
 
-def _finish(model: nn.Module, lora: Any, compute: torch.device, block_size: int, prefetch: int,
+def _finish(model: nn.Module, lora: Any, compute: torch.device, block_size: int, prefetch: int | str,
             family: Family | None, report: LoadReport, started: float, arena: HostArena,
             head_chunks: int | None) -> nn.Module:
     import peft

@@ -15,7 +15,7 @@ DUMP_ENV = "POROS_FX_DUMP"
 @dataclasses.dataclass(frozen=True)
 class PorosOptions:
     block_size: int | None = None  # None: what prepare() was given
-    prefetch: int | str | None = None  # None: what prepare() was given; "auto": measured (runtime/depth.py)
+    prefetch: int | str | None = None  # None: what prepare() was given (default "auto": measured, runtime/depth.py)
     stream: bool = True  # False: base resident, nothing recomputed (the parity reference)
     dump: str | None = None  # folder for graph dumps; POROS_FX_DUMP when not given
     group_copies: bool = True  # False: one copy (and allocation) per tensor instead of one per block; for A/B runs
@@ -28,10 +28,8 @@ class PorosOptions:
         if unknown:
             raise PorosConfigError(f"unknown poros option(s) {unknown}; known options: {sorted(known)}")
         opts = cls(**options)
-        if isinstance(opts.prefetch, str) and opts.prefetch != "auto":
-            raise PorosConfigError(f"prefetch must be an integer >= 0 or 'auto', got {opts.prefetch!r}")
         check_block_options(1 if opts.block_size is None else opts.block_size,
-                            0 if opts.prefetch in (None, "auto") else opts.prefetch)
+                            0 if opts.prefetch is None else opts.prefetch)
         for name in ("stream", "group_copies"):
             if not isinstance(getattr(opts, name), bool):
                 raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")

@@ -35,11 +35,22 @@ STORE_ATTR = "_poros_store"
 ENTRY_ATTR = "_poros_entry"
 
 
+AUTO = "auto"  # prefetch depth measured from the first forward run (runtime/depth.py)
+
+
 def check_block_options(block_size: Any, prefetch: Any) -> None:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise PorosConfigError(f"block_size must be an integer >= 1 (decoder layers per streamed block), got {block_size!r}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise PorosConfigError(f"prefetch must be an integer >= 0 (blocks loaded ahead of the one computing), got {prefetch!r}")
+    if prefetch != AUTO and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
+        raise PorosConfigError(f"prefetch must be an integer >= 0 (blocks loaded ahead of the one computing) or "
+                               f"'auto' (measured), got {prefetch!r}")
+
+
+def parse_prefetch(text: str) -> int | str:
+    """A command line's ``--prefetch``: ``auto`` or an integer >= 0."""
+    value: int | str = text if text == AUTO else int(text) if text.strip().lstrip("-").isdigit() else text
+    check_block_options(1, value)
+    return value
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -108,13 +119,15 @@ def head_chunk_count(nbytes: int, rows: int, requested: int | None = None) -> in
     return 1 if nbytes <= 2 * HEAD_CHUNK_BYTES else min(rows, -(-nbytes // HEAD_CHUNK_BYTES))
 
 
-def prepare(model: nn.Module, device: str | torch.device | None = None, block_size: int = 1, prefetch: int = 1,
+def prepare(model: nn.Module, device: str | torch.device | None = None, block_size: int = 1,
+            prefetch: int | str = AUTO,
             *, family: Family | None = None, head_chunks: int | None = None,
             _arena: HostArena | None = None) -> nn.Module:
     """Move the frozen base of ``model`` into a host store; returns ``model`` (changed in place).
 
     ``device`` is the compute device (``None``: CUDA when present, else CPU). ``block_size`` decoder
-    layers are streamed together; ``prefetch`` blocks are loaded ahead of the one computing.
+    layers are streamed together; ``prefetch`` blocks are loaded ahead of the one computing (``"auto"``:
+    one in the forward; the backward's depth comes from the forward's measured copy and compute times).
     ``family`` registers an architecture that is not validated (``poros_fx.user_asserted(...)``).
     ``head_chunks``: row chunks the lm_head weight is loaded in (``None``: one up to 512 MiB, chunks of
     about 256 MiB above, so a 32B/72B head, 1.6/2.5 GB in bf16, is never resident whole). Chunked, the

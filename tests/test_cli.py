@@ -30,6 +30,14 @@ def test_check_builtin_and_config_file(tmp_path):
     assert "llama (validated)" in out and "layers.0-1" in out and "layers.2" in out
 
 
+def test_check_prefetch_auto_fixed_and_refused():
+    assert "prefetch auto loads one block ahead" in cli("check", "qwen2.5-7b").stdout  # the default
+    out = cli("check", "qwen2.5-7b", "--prefetch", "2").stdout
+    assert "(1 + prefetch 2) x largest block" in out and "prefetch auto" not in out
+    res = cli("check", "qwen2.5-7b", "--prefetch", "two", check=False)
+    assert res.returncode == 2 and "prefetch must be an integer >= 0" in res.stdout + res.stderr
+
+
 def test_check_unknown_model_and_family(tmp_path):
     res = cli("check", "no/such-model-anywhere", check=False)
     assert res.returncode != 0 and "downloads nothing" in res.stdout + res.stderr

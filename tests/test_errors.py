@@ -24,7 +24,7 @@ def test_bad_prepare_options(kwargs, match):
     ({"prefetch": -2}, "prefetch"),
     ({"stream": "yes"}, "stream must be True or False"),
     ({"group_copies": 1}, "group_copies must be True or False"),
-    ({"prefetch": "deep"}, "prefetch must be an integer >= 0 or 'auto'"),
+    ({"prefetch": "deep"}, "prefetch must be an integer >= 0 .* or 'auto'"),
     ({"blocksize": 2}, "unknown poros option"),
 ])
 def test_bad_backend_options(options, match):

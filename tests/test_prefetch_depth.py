@@ -1,9 +1,10 @@
-"""``options={"prefetch": "auto"}``: the backward's depth from the measured forward (runtime/depth.py)."""
+"""``prefetch="auto"`` (the default): the backward's depth from the measured forward (runtime/depth.py)."""
 
 import pytest
 import torch
 
 import poros_fx
+import poros_fx.tiny
 from poros_fx.prepare import get_store
 from poros_fx.runtime.depth import choose_prefetch, summarize_timing
 
@@ -36,12 +37,41 @@ def test_auto_prefetch_on_the_cpu_trains_like_prefetch_1_and_says_why():
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = lora_model(tiny_config("qwen2", layers=2), dropout=0.1)
-        poros_fx.prepare(model, device="cpu")
-        runs[prefetch] = train(model, torch.compile(model, backend="poros", options={"prefetch": prefetch}), batches,
-                               accumulate=2)
+        poros_fx.prepare(model, device="cpu")  # the default is "auto"; the other run overrides it in options
+        options = {} if prefetch == "auto" else {"prefetch": prefetch}
+        runs[prefetch] = train(model, torch.compile(model, backend="poros", options=options), batches, accumulate=2)
         (schedule,) = get_store(model).schedules
+        assert get_store(model).prefetch == "auto" and poros_fx.stats(model)["prefetch"] == "auto"
         if prefetch == "auto":
             assert schedule.auto_prefetch and schedule.prefetch == 1
             assert "CPU compute device" in schedule.prefetch_note and schedule.prefetch_note in schedule.table()
+        else:
+            assert not schedule.auto_prefetch and schedule.prefetch == 1 and not schedule.prefetch_note
     diffs = compare(runs["auto"], runs[1])
     assert diffs == {k: 0.0 for k in SURFACES}, format_diffs("prefetch auto vs 1", diffs)
+
+
+def test_a_fixed_prefetch_in_prepare_turns_auto_off():
+    model = poros_fx.tiny.lora_model(poros_fx.tiny.tiny_config("qwen2", layers=2))
+    poros_fx.prepare(model, device="cpu", prefetch=2)
+    torch._dynamo.reset()
+    step = torch.compile(model, backend="poros")
+    step(input_ids=torch.ones(1, 8, dtype=torch.long), labels=torch.ones(1, 8, dtype=torch.long)).loss.backward()
+    (schedule,) = get_store(model).schedules
+    assert not schedule.auto_prefetch and schedule.prefetch == 2
+
+
+@pytest.mark.parametrize("text,value", [("auto", "auto"), ("0", 0), ("3", 3)])
+def test_parse_prefetch(text, value):
+    from poros_fx.prepare import parse_prefetch
+
+    assert parse_prefetch(text) == value
+
+
+@pytest.mark.parametrize("text", ["-1", "two", "Auto", ""])
+def test_parse_prefetch_refuses(text):
+    from poros_fx.errors import PorosConfigError
+    from poros_fx.prepare import parse_prefetch
+
+    with pytest.raises(PorosConfigError, match="prefetch must be an integer >= 0 .* or 'auto'"):
+        parse_prefetch(text)

@@ -1,4 +1,4 @@
-"""Prefetch depth from measured copy and compute time (``options={"prefetch": "auto"}``).
+"""Prefetch depth from measured copy and compute time (``prefetch="auto"``, the default).
 
 The forward graph is compiled before anything ran, so it prefetches one block ahead. Its first run
 on CUDA times every prefetch group's copy on the copy stream and every block's compute on the

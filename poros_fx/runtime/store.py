@@ -38,7 +38,7 @@ class HostStore:
 
     device: torch.device  # compute device
     block_size: int
-    prefetch: int
+    prefetch: int | str  # blocks loaded ahead, or "auto" (runtime/depth.py)
     family: Any  # families.Family
     block_names: list[str]  # block index -> name ("embed", "layers.0", "layers.2-3", "head")
     entries: dict[int, HostEntry] = dataclasses.field(default_factory=dict)  # id(host) -> entry
