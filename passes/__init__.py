@@ -11,6 +11,7 @@ After every pass the dump hook (``poros_fx.dump``) writes the graph when dumping
 from __future__ import annotations
 
 from .block_partition import block_partition
+from .lower_matmul_4bit import lower_matmul_4bit
 from .prefetch import prefetch
 from .recompute import recompute
 from .residency import residency
@@ -18,6 +19,7 @@ from .rng import rng
 
 JOINT_PASSES = (block_partition, recompute)
 INFERENCE_PASSES = (block_partition,)
-GRAPH_PASSES = (rng, prefetch, residency)
+GRAPH_PASSES = (lower_matmul_4bit, rng, prefetch, residency)
 
-__all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "block_partition", "prefetch", "recompute", "residency", "rng"]
+__all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "block_partition", "lower_matmul_4bit", "prefetch",
+           "recompute", "residency", "rng"]

@@ -1,4 +1,5 @@
-"""Custom ops that make host-resident weights traceable: ``poros::load`` and ``poros::gather``.
+"""Custom ops: ``poros::load`` and ``poros::gather`` make host-resident weights traceable;
+``poros::matmul_4bit`` is bitsandbytes' 4-bit matmul as one op (below).
 
 ``poros::load(host, device)`` is the one op through which every frozen base tensor reaches the
 computation. It is *pure* (its output never aliases its input), so Dynamo, AOTAutograd and the
@@ -10,6 +11,8 @@ graphs (for example when user code reads ``module.weight`` of a prepared model).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -43,3 +46,102 @@ def _(host: torch.Tensor, indices: torch.Tensor, device: torch.device) -> torch.
 
 
 GATHER = torch.ops.poros.gather.default
+
+
+# -- bitsandbytes 4-bit matmul as one opaque op -------------------------------------------------------
+#
+# A prepared ``Linear4bit`` calls ``poros::matmul_4bit`` instead of ``bnb.matmul_4bit``. The result is
+# the same kernels in the same order — the forward is the very ``bitsandbytes::gemm_4bit`` call that
+# bitsandbytes 0.50's ``MatMul4Bit.forward`` makes, the backward ``MatMul4Bit.backward``'s
+# ``matmul(grad, dequantize_4bit(B).to(grad.dtype))`` — but Dynamo sees one op per linear instead of
+# tracing bitsandbytes' Python (``matmul_4bit``, the ``autograd.Function``, its backward's nested
+# dequantize) for every linear of every layer: on the CPU an 8-layer NF4 Qwen2 traces in 5.0–5.6 s instead
+# of 7.5–10.6 s. After partitioning, ``passes/lower_matmul_4bit.py`` replaces each call by the bitsandbytes ops
+# its implementation calls (so the compiled step pays no dispatch of its own); the implementation below
+# runs when a prepared model is called outside torch.compile. ``matmul_4bit_applies`` says when the op
+# applies; otherwise the prepared forward calls ``bnb.matmul_4bit``.
+
+
+def matmul_4bit_applies(nested: bool, blocksize2: int | None) -> bool:
+    """Whether ``poros::matmul_4bit`` computes what ``bnb.matmul_4bit`` would for a weight with this
+    quant state: bitsandbytes has the ``gemm_4bit`` op (0.50 and later; 0.49's ``MatMul4Bit``
+    dequantizes and calls ``linear`` instead) and a nested state has bnb's one supported absmax
+    blocksize (256). The caller also needs a frozen bias (bnb's bias gradient is not mirrored)."""
+    import bitsandbytes  # noqa: F401  (registers torch.ops.bitsandbytes)
+
+    return hasattr(torch.ops.bitsandbytes, "gemm_4bit") and (not nested or blocksize2 == 256)
+
+
+def _quant_state(shape: list[int], absmax: torch.Tensor, blocksize: int, quant_type: str, dtype: torch.dtype,
+                 absmax2: torch.Tensor | None, code2: torch.Tensor | None, offset: torch.Tensor | None,
+                 blocksize2: int, dtype2: torch.dtype) -> Any:
+    from bitsandbytes.functional import QuantState
+
+    state2 = None if absmax2 is None else QuantState(absmax=absmax2, code=code2, blocksize=blocksize2, dtype=dtype2)
+    return QuantState(absmax=absmax, shape=torch.Size(shape), blocksize=blocksize, quant_type=quant_type, dtype=dtype,
+                      offset=offset, state2=state2)
+
+
+def _gemm_4bit(x: torch.Tensor, packed: torch.Tensor, shape: list[int], absmax: torch.Tensor, blocksize: int,
+               quant_type: str, absmax2: torch.Tensor | None, code2: torch.Tensor | None, offset: torch.Tensor | None,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """``MatMul4Bit.forward``'s one call (under fake tensors, bitsandbytes' fake: same shape, dtype, checks)."""
+    if absmax2 is None:
+        return torch.ops.bitsandbytes.gemm_4bit.default(x, packed, shape, absmax, blocksize, quant_type, bias=bias)
+    return torch.ops.bitsandbytes.gemm_4bit.default(x, packed, shape, absmax2, blocksize, quant_type, bias=bias,
+                                                    absmax_8bit=absmax, absmax_code=code2, absmax_offset=offset)
+
+
+@torch.library.custom_op("poros::matmul_4bit", mutates_args=())
+def matmul_4bit(x: torch.Tensor, packed: torch.Tensor, shape: list[int], absmax: torch.Tensor, blocksize: int,
+                quant_type: str, dtype: torch.dtype, absmax2: torch.Tensor | None, code2: torch.Tensor | None,
+                offset: torch.Tensor | None, blocksize2: int, dtype2: torch.dtype,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for the 4-bit ``W`` given by ``packed`` (``[(N*K+1)//2, 1]``) and its quant
+    state (nested: ``absmax`` is the 8-bit absmax, ``absmax2``/``code2``/``offset`` its own state;
+    ``dtype``, ``blocksize2`` and ``dtype2`` are read by the backward only)."""
+    return _gemm_4bit(x, packed, shape, absmax, blocksize, quant_type, absmax2, code2, offset, bias)
+
+
+@matmul_4bit.register_fake
+def _(x, packed, shape, absmax, blocksize, quant_type, dtype, absmax2, code2, offset, blocksize2, dtype2, bias):
+    return _gemm_4bit(x, packed, shape, absmax, blocksize, quant_type, absmax2, code2, offset, bias)
+
+
+@torch.library.custom_op("poros::matmul_4bit_grad", mutates_args=())
+def matmul_4bit_grad(grad: torch.Tensor, packed: torch.Tensor, shape: list[int], absmax: torch.Tensor, blocksize: int,
+                     quant_type: str, dtype: torch.dtype, absmax2: torch.Tensor | None, code2: torch.Tensor | None,
+                     offset: torch.Tensor | None, blocksize2: int, dtype2: torch.dtype) -> torch.Tensor:
+    """The input gradient of ``matmul_4bit``: bitsandbytes' ``MatMul4Bit.backward``,
+    ``matmul(grad, dequantize_4bit(B, state).to(grad.dtype))``."""
+    from bitsandbytes.functional import dequantize_4bit
+
+    state = _quant_state(shape, absmax, blocksize, quant_type, dtype, absmax2, code2, offset, blocksize2, dtype2)
+    return torch.matmul(grad, dequantize_4bit(packed, state).to(grad.dtype))
+
+
+@matmul_4bit_grad.register_fake
+def _(grad, packed, shape, absmax, blocksize, quant_type, dtype, absmax2, code2, offset, blocksize2, dtype2):
+    return grad.new_empty((*grad.shape[:-1], shape[1]))
+
+
+def _matmul_4bit_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, packed, shape, absmax, blocksize, quant_type, dtype, absmax2, code2, offset, blocksize2, dtype2, bias = inputs
+    ctx.save_for_backward(packed, absmax, absmax2, code2, offset)
+    ctx.state = (shape, blocksize, quant_type, dtype, blocksize2, dtype2)
+
+
+def _matmul_4bit_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    packed, absmax, absmax2, code2, offset = ctx.saved_tensors
+    shape, blocksize, quant_type, dtype, blocksize2, dtype2 = ctx.state
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        grad_x = MATMUL_4BIT_GRAD(grad, packed, shape, absmax, blocksize, quant_type, dtype, absmax2, code2, offset,
+                                  blocksize2, dtype2)
+    return (grad_x,) + (None,) * 12
+
+
+matmul_4bit.register_autograd(_matmul_4bit_backward, setup_context=_matmul_4bit_setup)
+
+MATMUL_4BIT = torch.ops.poros.matmul_4bit.default
+MATMUL_4BIT_GRAD = torch.ops.poros.matmul_4bit_grad.default

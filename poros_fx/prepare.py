@@ -307,6 +307,7 @@ def _move_linear4bit(store: HostStore, mod_name: str, module: nn.Module, reader_
     _add_entry(store, f"{mod_name}.weight", packed, origin, blocks)
     module._parameters["weight"] = packed
     module._poros_quant_state = qs
+    module._poros_matmul_op = ops.matmul_4bit_applies(qs.nested, qs.state2.blocksize if qs.nested else None)
     for key, tensor in quant_state_tensors(qs).items():
         buf = nn.Parameter(_host_copy(store, tensor), requires_grad=False)
         _add_entry(store, f"{mod_name}.weight.quant_state.{key}", buf, tensor.device, blocks)
@@ -325,6 +326,7 @@ def _move_linear4bit(store: HostStore, mod_name: str, module: nn.Module, reader_
         for key in _QS_BUFFERS:
             module._buffers.pop(f"poros_qs_{key}", None)
         module.__dict__.pop("_poros_quant_state", None)
+        module.__dict__.pop("_poros_matmul_op", None)
         if code_origin is not None:
             qs.code = qs.code.to(code_origin)
 
@@ -411,20 +413,19 @@ def _chunked_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _linear4bit_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes ``Linear4bit.forward`` (0.49/0.50) with the packed weight and quant state loaded."""
+    """bitsandbytes ``Linear4bit.forward`` (0.49/0.50) with the packed weight and quant state loaded;
+    the matmul is ``poros::matmul_4bit`` (the same kernels as ``bnb.matmul_4bit``, one op for Dynamo to
+    trace, see ops.py) where it applies, else ``bnb.matmul_4bit`` itself."""
     import bitsandbytes as bnb
     from bitsandbytes.functional import QuantState
 
     device = self._poros_device
     host_qs = self._poros_quant_state
-    state2 = None
-    if host_qs.nested:
-        state2 = QuantState(absmax=ops.load(self.poros_qs_absmax2, device), code=ops.load(self.poros_qs_code2, device),
-                            blocksize=host_qs.state2.blocksize, dtype=host_qs.state2.dtype)
-    quant_state = QuantState(
-        absmax=ops.load(self.poros_qs_absmax, device), shape=host_qs.shape,
-        code=None, blocksize=host_qs.blocksize, quant_type=host_qs.quant_type,
-        dtype=host_qs.dtype, offset=ops.load(self.poros_qs_offset, device) if host_qs.nested else None, state2=state2)
+    nested = host_qs.nested
+    absmax2 = ops.load(self.poros_qs_absmax2, device) if nested else None
+    code2 = ops.load(self.poros_qs_code2, device) if nested else None
+    absmax = ops.load(self.poros_qs_absmax, device)
+    offset = ops.load(self.poros_qs_offset, device) if nested else None
     packed = ops.load(self._parameters["weight"], device)
     if not self.compute_type_is_set:
         self.set_compute_type(x)
@@ -435,4 +436,14 @@ def _linear4bit_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     bias = self.bias
     if bias is not None:
         bias = bias.to(x.dtype).to(self.compute_dtype)
+    if self._poros_matmul_op and (bias is None or not bias.requires_grad):
+        # matmul_4bit's B.view(-1, 1) of packed.t() is packed itself: [(N*K+1)//2, 1]
+        return ops.MATMUL_4BIT(x, packed, list(host_qs.shape), absmax, host_qs.blocksize, host_qs.quant_type,
+                               host_qs.dtype, absmax2, code2, offset, host_qs.state2.blocksize if nested else 0,
+                               host_qs.state2.dtype if nested else torch.float32, bias).to(inp_dtype)
+    state2 = None
+    if nested:
+        state2 = QuantState(absmax=absmax2, code=code2, blocksize=host_qs.state2.blocksize, dtype=host_qs.state2.dtype)
+    quant_state = QuantState(absmax=absmax, shape=host_qs.shape, code=None, blocksize=host_qs.blocksize,
+                             quant_type=host_qs.quant_type, dtype=host_qs.dtype, offset=offset, state2=state2)
     return bnb.matmul_4bit(x, packed.t(), bias=bias, quant_state=quant_state).to(inp_dtype)
