@@ -10,6 +10,8 @@ block; the default partition with ``stream=False``), and the forward and backwar
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 import warnings
 from typing import Any, Callable
 
@@ -32,6 +34,8 @@ from .runtime.depth import choose_prefetch
 from .runtime.executor import GraphRuntime
 from .runtime.store import HostStore
 from .schedule import Schedule
+
+logger = logging.getLogger("poros_fx")
 
 UNPREPARED_WARNING = ("poros backend: the compiled model was not prepared with poros_fx.prepare, so its base stays "
                       "on its device; it runs resident with block recompute (activation memory of one block). "
@@ -94,7 +98,14 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
     if moved:
         raise PorosConfigError(store.moved_message(moved))
 
+    # the first step of a large model compiles for minutes: say where it is (logging.INFO on "poros_fx")
+    logger.info("poros: Dynamo captured %d nodes (%d host tensors); AOTAutograd traces the joint graph",
+                len(gm.graph.nodes), len(schedule.host_inputs))
+
     def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
+        started = time.perf_counter()
+        logger.info("poros: joint graph of %d nodes; %s partition", len(joint.graph.nodes),
+                    "min-cut (recompute per block)" if schedule.stream else "default")
         schedule.num_fwd_outputs = num_fwd_outputs
         _check_host_inputs(joint, schedule)
         dumper.graph(joint, "joint")
@@ -115,6 +126,8 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         for n in bw.graph.nodes:
             if n.meta.get(FORWARD) and n.op == "call_function":
                 schedule.blocks[n.meta[BLOCK]].recomputed_nodes += 1
+        logger.info("poros: partitioned in %.1f s: forward %d nodes, backward %d nodes (compiled at the first "
+                    "backward)", time.perf_counter() - started, len(fw.graph.nodes), len(bw.graph.nodes))
         return fw, bw
 
     def compiler(phase: str) -> Callable:

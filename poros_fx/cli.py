@@ -349,7 +349,7 @@ class _StepLog:
                                 TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]}"),
                                 TimeElapsedColumn(), console=console)
             self.bar.__enter__()
-            self.task = self.bar.add_task("train", total=self.steps, loss="-", rate="")
+            self.task = self.bar.add_task("train", total=self.steps, loss="-", rate="(the first step compiles)")
         return self
 
     def step(self, step: int, loss: float, seconds: float) -> None:

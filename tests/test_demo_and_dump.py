@@ -71,3 +71,17 @@ def test_dump_from_environment(tmp_path, monkeypatch):
     model = poros_fx.prepare(tiny_lora_model("qwen2", layers=1), device="cpu")
     torch.compile(model, backend="poros")(**demo_batches(1)[0], use_cache=False).loss.backward()
     assert (next(tmp_path.iterdir()) / "schedule.txt").exists()
+
+
+def test_compiling_says_where_it_is(caplog):
+    """A first step compiles for minutes at 32B: the phases are logged on the "poros_fx" logger."""
+    import logging
+
+    model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="poros_fx"):
+        torch.compile(model, backend="poros")(**demo_batches(1)[0], use_cache=False).loss.backward()
+    text = caplog.text
+    assert "Dynamo captured" in text and "host tensors" in text
+    assert "joint graph of" in text and "min-cut (recompute per block)" in text
+    assert "partitioned in" in text and "forward" in text and "backward" in text
