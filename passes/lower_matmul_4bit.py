@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from poros_fx.ops import MATMUL_4BIT, MATMUL_4BIT_GRAD
+from poros_fx.ops import MATMUL_4BIT, MATMUL_4BIT_GRAD, gemm_4bit_call
 from poros_fx.schedule import Schedule
 
 _DROP = ("val", "tensor_meta")  # an intermediate's shape and dtype are not the op's
@@ -57,11 +57,8 @@ def _dtype_of(node: Any) -> torch.dtype | None:
 
 def _lower_forward(graph: fx.Graph, n: fx.Node) -> fx.Node:
     x, packed, shape, absmax, blocksize, quant_type, _dtype, absmax2, code2, offset, _bs2, _dtype2, bias = n.args
-    gemm = torch.ops.bitsandbytes.gemm_4bit.default
-    if absmax2 is None:
-        return _call(graph, n, gemm, (x, packed, shape, absmax, blocksize, quant_type), {"bias": bias}, last=True)
-    return _call(graph, n, gemm, (x, packed, shape, absmax2, blocksize, quant_type),
-                 {"bias": bias, "absmax_8bit": absmax, "absmax_code": code2, "absmax_offset": offset}, last=True)
+    args, kwargs = gemm_4bit_call(x, packed, shape, absmax, blocksize, quant_type, absmax2, code2, offset, bias)
+    return _call(graph, n, torch.ops.bitsandbytes.gemm_4bit.default, args, kwargs, last=True)
 
 
 def _lower_grad(graph: fx.Graph, n: fx.Node) -> fx.Node:

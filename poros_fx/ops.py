@@ -82,14 +82,20 @@ def _quant_state(shape: list[int], absmax: torch.Tensor, blocksize: int, quant_t
                       offset=offset, state2=state2)
 
 
-def _gemm_4bit(x: torch.Tensor, packed: torch.Tensor, shape: list[int], absmax: torch.Tensor, blocksize: int,
-               quant_type: str, absmax2: torch.Tensor | None, code2: torch.Tensor | None, offset: torch.Tensor | None,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    """``MatMul4Bit.forward``'s one call (under fake tensors, bitsandbytes' fake: same shape, dtype, checks)."""
+def gemm_4bit_call(x: Any, packed: Any, shape: Any, absmax: Any, blocksize: int, quant_type: str, absmax2: Any,
+                   code2: Any, offset: Any, bias: Any) -> tuple[tuple, dict]:
+    """The arguments of ``MatMul4Bit.forward``'s one ``bitsandbytes::gemm_4bit`` call (a nested state
+    passes its own absmax as ``absmax`` and the 8-bit one as ``absmax_8bit``); tensors or graph nodes."""
     if absmax2 is None:
-        return torch.ops.bitsandbytes.gemm_4bit.default(x, packed, shape, absmax, blocksize, quant_type, bias=bias)
-    return torch.ops.bitsandbytes.gemm_4bit.default(x, packed, shape, absmax2, blocksize, quant_type, bias=bias,
-                                                    absmax_8bit=absmax, absmax_code=code2, absmax_offset=offset)
+        return (x, packed, shape, absmax, blocksize, quant_type), {"bias": bias}
+    return ((x, packed, shape, absmax2, blocksize, quant_type),
+            {"bias": bias, "absmax_8bit": absmax, "absmax_code": code2, "absmax_offset": offset})
+
+
+def _gemm_4bit(*inputs: Any) -> torch.Tensor:
+    """That call (under fake tensors, bitsandbytes' fake: same shape, dtype, checks)."""
+    args, kwargs = gemm_4bit_call(*inputs)
+    return torch.ops.bitsandbytes.gemm_4bit.default(*args, **kwargs)
 
 
 @torch.library.custom_op("poros::matmul_4bit", mutates_args=())

@@ -48,7 +48,10 @@ def check_block_options(block_size: Any, prefetch: Any) -> None:
 
 def parse_prefetch(text: str) -> int | str:
     """A command line's ``--prefetch``: ``auto`` or an integer >= 0."""
-    value: int | str = text if text == AUTO else int(text) if text.strip().lstrip("-").isdigit() else text
+    try:
+        value: int | str = int(text)
+    except ValueError:
+        value = text  # "auto", or refused just below
     check_block_options(1, value)
     return value
 
