@@ -584,12 +584,18 @@ def _sort_key(row: dict[str, Any]) -> tuple:
 
 
 def ratios(rows: list[dict[str, Any]]) -> None:
-    """Set ``ratio_vs_peft_resident`` on every row (in place) from the rows' own s/step."""
-    reference = {(r["model"], r["seq"], r["accum"]): r["s_per_step"] for r in rows
+    """Set ``ratio_vs_peft_resident`` on every row (in place): its s/step over the ``peft_resident`` row
+    of the same model, seq and accum (the matrix holds one), and ``ratio_cross_run: True`` when that
+    row came from another run — step times move ±15–40 % between the hosts lent on different days,
+    so only a same-run ratio compares like with like."""
+    reference = {(r["model"], r["seq"], r["accum"]): (r.get("run"), r["s_per_step"]) for r in rows
                  if r["method"] == "peft_resident" and _num(r["s_per_step"])}
     for r in rows:
-        ref = reference.get((r["model"], r["seq"], r["accum"]))
+        run, ref = reference.get((r["model"], r["seq"], r["accum"]), (None, None))
         r["ratio_vs_peft_resident"] = round(r["s_per_step"] / ref, 4) if ref and _num(r["s_per_step"]) else None
+        r.pop("ratio_cross_run", None)
+        if r["ratio_vs_peft_resident"] is not None and run != r.get("run"):
+            r["ratio_cross_run"] = True
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -610,7 +616,9 @@ def start_run(doc: dict[str, Any], env: dict[str, Any]) -> dict[str, Any]:
 
 
 def upsert(doc: dict[str, Any], row: dict[str, Any]) -> None:
-    """Put ``row`` in ``doc`` in place of the row with the same model/method/block_size/seq/accum."""
+    """Put ``row`` in ``doc`` in place of the row with the same model/method/block_size/seq/accum, marked
+    with the run that measured it (``run``: its 1-based index in ``env.runs``, the newest)."""
+    row["run"] = len(doc["env"].get("runs", [])) or None
     key = tuple(row[k] for k in ROW_KEY)
     doc["rows"] = [r for r in doc["rows"] if tuple(r[k] for k in ROW_KEY) != key] + [row]
 
@@ -661,19 +669,23 @@ def markdown(doc: dict[str, Any]) -> str:
              f"{env.get('transformers')}, peft {env.get('peft')}, bitsandbytes {env.get('bitsandbytes')}; pinned H2D "
              f"{_fmt(env.get('pinned_h2d_gbps'), 1)} GB/s. Random-init Qwen2.5 shapes, NF4 base, LoRA r16 alpha 32 "
              "on all seven projections, AdamW, batch 1. s/step: median after warm-up; peak: max_memory_allocated; "
-             "floor: 2 x bytes loaded per pass (every block once) x accum / pinned bandwidth; ratio: s/step over peft_resident's.", "",
-             "Command line(s):", ""]
-    lines += [f"    {c}" for c in env.get("commands", [])] + [""]
-    for run_env in env.get("runs", []):
-        if run_env.get("stopped"):
-            lines += [f"Stopped early: {run_env['stopped']}", ""]
-    lines += ["| model | method | block | seq | accum | s/step | peak GB | H2D GB/s | floor s | compile s | ratio | error |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "floor: 2 x bytes loaded per pass (every block once) x accum / pinned bandwidth; ratio: s/step over "
+             "the same run's peft_resident (marked * where that run had none and another run's is used: step "
+             "times move between the hosts lent on different days); run: the numbered run below that measured "
+             "the row ('-': a run from before rows were numbered).", "",
+             "Runs (one process each):", ""]
+    runs = env.get("runs", [])
+    lines += [f"    [{i}] {run_env.get('command') or '?'}" for i, run_env in enumerate(runs, 1)] + [""]
+    lines += [f"Run {i} stopped early: {run_env['stopped']}" for i, run_env in enumerate(runs, 1)
+              if run_env.get("stopped")]
+    lines += ["", "| model | method | block | seq | accum | s/step | peak GB | H2D GB/s | floor s | compile s | ratio "
+              "| run | error |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         error = (r.get("error") or "").replace("|", "/")
+        ratio = _fmt(r["ratio_vs_peft_resident"], 2) + ("*" if r.get("ratio_cross_run") else "")
         lines.append(f"| {r['model']} | {r['method']} | {r['block_size'] or '-'} | {r['seq']} | {r['accum']} | "
                      f"{_fmt(r['s_per_step'], 3)} | {_fmt(r['peak_gb'], 2)} | {_sigfmt(r['h2d_gbps'])} | "
-                     f"{_fmt(r['floor_s'], 3)} | {_fmt(r['compile_s'], 1)} | {_fmt(r['ratio_vs_peft_resident'], 2)} | "
+                     f"{_fmt(r['floor_s'], 3)} | {_fmt(r['compile_s'], 1)} | {ratio} | {r.get('run') or '-'} | "
                      f"{error} |")
     return "\n".join(lines) + "\n"
 

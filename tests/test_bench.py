@@ -88,7 +88,24 @@ def test_merge_and_failing_row(tmp_path):
     assert rows[("peft_resident", None, 16, 1)]["error"] is None
     assert rows[("peft_resident", None, 16, 1)]["ratio_vs_peft_resident"] == 1.0
     assert json.loads((tmp_path / "bench.json").read_text())["env"]["commands"] == ["test"]
+    assert {r["run"] for r in second["rows"]} == {2}  # every row of the matrix now comes from run 2
     assert "RuntimeError: injected failure" in (tmp_path / "bench.md").read_text()
+
+
+def test_ratio_is_against_the_same_runs_baseline_or_marked():
+    """A row's ratio divides by its own run's peft_resident; a row kept from an older run (its
+    baseline since replaced) is divided by the newer one and marked, in the JSON and the markdown."""
+    def row(method, run, s, block_size=None, model="m"):
+        return {"model": model, "method": method, "block_size": block_size, "seq": 512, "accum": 1, "s_per_step": s,
+                "peak_gb": None, "h2d_gbps": None, "floor_s": None, "compile_s": None, "error": None, "run": run}
+    rows = [row("peft_resident", 3, 0.5), row("poros", 3, 1.0, 1), row("poros", 1, 2.0, 2), row("poros", 2, 1.0, 1, "n")]
+    bench.ratios(rows)
+    assert [r["ratio_vs_peft_resident"] for r in rows] == [1.0, 2.0, 4.0, None]
+    assert [r.get("ratio_cross_run", False) for r in rows] == [False, False, True, False]
+    md = bench.markdown({"env": {"runs": [{"command": "a"}, {"command": "b"}, {"command": "c"}]}, "rows": rows})
+    assert "    [3] c" in md
+    assert "| m | poros | 2 | 512 | 1 | 2.000 | - | - | - | - | 4.00* | 1 |  |" in md
+    assert "| m | poros | 1 | 512 | 1 | 1.000 | - | - | - | - | 2.00 | 3 |  |" in md
 
 
 def test_time_budget_stops_before_new_rows(tmp_path):
@@ -96,7 +113,8 @@ def test_time_budget_stops_before_new_rows(tmp_path):
     assert doc["rows"] == []
     assert any("time budget" in line for line in doc["log"])
     assert "time budget of 0 s exceeded" in doc["env"]["runs"][-1]["stopped"]
-    assert "Stopped early" in (tmp_path / "bench.md").read_text() and (tmp_path / "bench.png").exists()
+    assert "Run 1 stopped early: time budget" in (tmp_path / "bench.md").read_text()
+    assert (tmp_path / "bench.png").exists()
 
 
 def test_plan_grid_and_restrictions():
