@@ -135,6 +135,12 @@ def test_a_block_is_one_copy_and_the_group_views_keep_host_alignment():
     for h, d in zip(hosts, out):
         assert torch.equal(h, d) and d.dtype == h.dtype and d.data_ptr() % ALIGN == h.data_ptr() % ALIGN
     assert len({d.untyped_storage().data_ptr() for d in out}) == 1
+    # the layout is planned once per group; a later load of the group is a fresh buffer, same values
+    again = runtime.load_group(hosts, torch.device("cpu"), 1)
+    assert len(runtime._plans) == 1 and store.ledger.copies == 2
+    assert all(torch.equal(a, d) and a.data_ptr() != d.data_ptr() for a, d in zip(again, out))
+    runtime.load_group(hosts[:2], torch.device("cpu"), 1)
+    assert len(runtime._plans) == 2
     # compiled: one copy per group (forward: embed's table is gathered, layers, head; backward: head, layers)
     compiled = torch.compile(model, backend="poros")
     batch = {"input_ids": torch.randint(0, 256, (1, 16)), "labels": torch.randint(0, 256, (1, 16))}

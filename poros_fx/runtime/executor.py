@@ -25,6 +25,7 @@ Nothing of the base is ever copied device to host.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Callable
 
@@ -53,6 +54,41 @@ def host_runs(hosts: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, l
             runs.append((h, start, end, [i]))
     return runs
 
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """How one prefetch group's host tensors land in its device buffer: worked out on the group's
+    first load and reused by every later one (the hosts are the store's, fixed for a graph's life),
+    so a load costs the copies and one ``as_strided`` per tensor, not the layout's Python again."""
+
+    size: int  # bytes of the device buffer's used part (a multiple of 16, so every dtype views it)
+    ranges: tuple[tuple[torch.Tensor, int], ...]  # (a host range as bytes, its offset in the buffer)
+    views: tuple[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]] | None, ...]  # per host
+    strided: tuple[tuple[int, torch.Tensor], ...]  # (host index, host): copied as a tensor of its own
+    dtypes: tuple[torch.dtype, ...]
+    copied_bytes: int
+
+
+def plan_group(hosts: list[torch.Tensor]) -> GroupPlan:
+    """The buffer layout of ``hosts``: each host range (``host_runs``) at an offset with the same
+    remainder mod ``ALIGN`` as its host address, so every tensor keeps its host alignment (the arena's 512 B)."""
+    ranges, strided, size = [], [], 0
+    views: list[Any] = [None] * len(hosts)
+    for first, start, end, members in host_runs(hosts):
+        if not first.is_contiguous():
+            strided.append((members[0], first.detach()))
+            continue
+        offset = -(-size // ALIGN) * ALIGN + start % ALIGN
+        storage = first.untyped_storage()
+        ranges.append((torch.empty(0, dtype=torch.uint8).set_(storage, start - storage.data_ptr(), (end - start,)),
+                       offset))
+        for i in members:
+            h = hosts[i]
+            views[i] = (offset + h.data_ptr() - start, h.dtype, tuple(h.shape), tuple(h.stride()))
+        size = offset + end - start
+    dtypes = tuple({v[1] for v in views if v is not None})
+    copied = sum(src.numel() for src, _ in ranges) + sum(nbytes(h) for _, h in strided)
+    return GroupPlan(-(-size // 16) * 16, tuple(ranges), tuple(views), tuple(strided), dtypes, copied)
+
 
 class GraphRuntime:
     def __init__(self, store: HostStore | None, stream: bool, phase: str, measure: bool = False) -> None:
@@ -68,36 +104,27 @@ class GraphRuntime:
         self._group: list[torch.Tensor] = []  # loads issued since the group's ready event
         self._pending: dict[int, Any] = {}  # id(device copy) -> the copy stream's done event
         self._waited: Any = None  # the done event the compute stream waited for last
+        self._plans: dict[tuple[int, ...], GroupPlan] = {}  # host addresses of a group -> its layout
 
     def load_group(self, hosts: list[torch.Tensor], device: torch.device, block: int) -> list[torch.Tensor]:
-        """Device copies of ``hosts`` (one prefetch group), as views of one new device buffer.
-
-        Each host range (``host_runs``) goes to the buffer at an offset with the same remainder mod
-        ``ALIGN`` as its host address, so every tensor keeps its host alignment (the arena's 512 B)."""
-        moved = [self.store.name_of(h) for h in hosts if h.device.type != "cpu"]
-        if moved:
-            raise PorosConfigError(self.store.moved_message(moved))
-        runs = host_runs(hosts)
-        offsets, size = [], 0
-        for first, start, end, _ in runs:
-            size = -(-size // ALIGN) * ALIGN + start % ALIGN
-            offsets.append(size)
-            size += end - start
-        buffer = self._allocate((size + ALIGN,), (1,), torch.uint8, device, block)
-        buffer = buffer[-buffer.data_ptr() % ALIGN:]  # CUDA allocations start on 512 B already; CPU ones on 64
-        out: list[Any] = [None] * len(hosts)
-        copies = []
-        for (first, start, end, members), offset in zip(runs, offsets):
-            if first.is_contiguous():
-                storage = first.untyped_storage()
-                src = torch.empty(0, dtype=torch.uint8).set_(storage, start - storage.data_ptr(), (end - start,))
-                copies.append((buffer[offset:offset + end - start], src))
-                for i in members:
-                    at = offset + hosts[i].data_ptr() - start
-                    out[i] = buffer[at:at + nbytes(hosts[i])].view(hosts[i].dtype).view(hosts[i].shape)
-            else:  # a strided host: a tensor of its own, copied as a tensor
-                out[members[0]] = self._allocate(first.shape, first.stride(), first.dtype, device, block)
-                copies.append((out[members[0]], first.detach()))
+        """Device copies of ``hosts`` (one prefetch group), as views of one new device buffer laid out
+        by the group's ``GroupPlan``."""
+        key = tuple(h.data_ptr() for h in hosts)
+        plan = self._plans.get(key)
+        if plan is None:
+            moved = [self.store.name_of(h) for h in hosts if h.device.type != "cpu"]
+            if moved:
+                raise PorosConfigError(self.store.moved_message(moved))
+            plan = self._plans[key] = plan_group(hosts)
+        buffer = self._allocate((plan.size + ALIGN,), (1,), torch.uint8, device, block)
+        shift = -buffer.data_ptr() % ALIGN  # CUDA allocations start on 512 B already; CPU ones on 64
+        typed = {dtype: buffer[shift:shift + plan.size].view(dtype) for dtype in plan.dtypes}
+        out: list[Any] = [None if v is None else typed[v[1]].as_strided(v[2], v[3], (shift + v[0]) // v[1].itemsize)
+                          for v in plan.views]
+        copies = [(buffer[shift + offset:shift + offset + src.numel()], src) for src, offset in plan.ranges]
+        for i, host in plan.strided:
+            out[i] = self._allocate(host.shape, host.stride(), host.dtype, device, block)
+            copies.append((out[i], host))
         if self.overlap:
             copy_stream = self.store.copy_stream()
             copy_stream.wait_event(torch.cuda.current_stream(device).record_event())
@@ -112,7 +139,7 @@ class GraphRuntime:
         else:
             for dst, src in copies:
                 dst.copy_(src)
-        self.store.ledger.on_copy(len(copies), sum(nbytes(dst) for dst, _ in copies))
+        self.store.ledger.on_copy(len(copies), plan.copied_bytes)
         return out
 
     def load(self, host: torch.Tensor, device: torch.device, block: int, last_in_group: bool = True,
