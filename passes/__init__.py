@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from .block_partition import block_partition
 from .lower_matmul_4bit import lower_matmul_4bit
+from .lower_rng import lower_rng
 from .prefetch import prefetch
 from .recompute import recompute
 from .residency import residency
@@ -19,7 +20,7 @@ from .rng import rng
 
 JOINT_PASSES = (block_partition, recompute)
 INFERENCE_PASSES = (block_partition,)
-GRAPH_PASSES = (lower_matmul_4bit, rng, prefetch, residency)
+GRAPH_PASSES = (lower_matmul_4bit, rng, lower_rng, prefetch, residency)
 
-__all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "block_partition", "lower_matmul_4bit", "prefetch",
+__all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "block_partition", "lower_matmul_4bit", "lower_rng", "prefetch",
            "recompute", "residency", "rng"]

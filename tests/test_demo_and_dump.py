@@ -36,10 +36,11 @@ def test_dump_writes_graphs_and_schedule(tmp_path):
     names = sorted(p.name for p in folder.iterdir())
     assert names[0] == "00_joint.py" and "schedule.txt" in names
     for phase in ("forward", "backward"):
-        for p in ("rng", "prefetch", "residency"):
+        for p in ("rng", "lower_rng", "prefetch", "residency"):
             assert any(n.endswith(f"_{phase}_{p}.py") for n in names), (phase, p, names)
     backward = next(folder.glob("*_backward_residency.py")).read_text()
-    assert "run_with_rng_state" in backward and "load" in backward and "evict" in backward
+    assert "run_with_rng_state_cpu" in backward and "load" in backward and "evict" in backward
+    assert "higher_order" not in backward  # the RNG wrappers run as plain functions (passes/lower_rng.py)
     assert "cpu" in backward  # devices shown
     table = (folder / "schedule.txt").read_text()
     assert "layers.0-1" in table and "head" in table and "rng_slots" in table

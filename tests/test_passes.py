@@ -89,3 +89,42 @@ def test_rng_refuses_an_unwrapped_recomputed_random_op_and_graphsafe_rng():
     rng(backward_graph(torch.ops.aten.native_dropout.default, (0.1, True), forward=False), _schedule())
     with pytest.raises(PorosExactnessError, match="graph-safe RNG"):
         rng(backward_graph(graphsafe_run_with_rng_state, (), forward=True), _schedule())
+
+
+def test_lower_rng_calls_the_wrappers_device_implementation_with_the_same_results():
+    """Each RNG wrapper becomes the plain function its device's dispatch runs (same node name), a
+    wrapper on a device without one stays, and the plain functions save and replay the generator
+    exactly as the higher-order ops do."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    from poros_fx.passes.lower_rng import lower_rng
+    from poros_fx.runtime import rng as rng_impl
+
+    dropout = torch.ops.aten.native_dropout.default
+    g = fx.Graph()
+    state, x, m = g.placeholder("state"), g.placeholder("x"), g.placeholder("m")
+    x.meta["val"], m.meta["val"] = torch.empty(2), torch.empty(2, device="meta")
+    save = g.call_function(run_and_save_rng_state, (dropout, x, 0.1, True))
+    restore = g.call_function(run_with_rng_state, (state, dropout, x, 0.1, True))
+    rand = g.call_function(run_and_save_rng_state, (torch.ops.aten.rand.default, [3]), {"device": torch.device("cpu")})
+    other = g.call_function(run_with_rng_state, (state, dropout, m, 0.1, True))
+    g.output((save, restore, rand, other))
+    names = [n.name for n in (save, restore, rand, other)]
+    gm = lower_rng(fx.GraphModule(torch.nn.Module(), g), _schedule())
+    assert [n.target for n in (save, restore, rand, other)] == [
+        rng_impl.run_and_save_rng_state_cpu, rng_impl.run_with_rng_state_cpu, rng_impl.run_and_save_rng_state_cpu,
+        run_with_rng_state]
+    assert [n.name for n in (save, restore, rand, other)] == names
+    assert "higher_order.run_and_save_rng_state" not in gm.code
+
+    t = torch.randn(64, 32)
+    torch.manual_seed(3)
+    hop_state, (hop_out, hop_mask) = run_and_save_rng_state(dropout, t, 0.3, True)
+    hop_replay = run_with_rng_state(hop_state, dropout, t, 0.3, True)
+    hop_after = torch.rand(4)
+    torch.manual_seed(3)
+    state_, (out, mask) = rng_impl.run_and_save_rng_state_cpu(dropout, t, 0.3, True)
+    replay = rng_impl.run_with_rng_state_cpu(state_, dropout, t, 0.3, True)
+    assert torch.equal(state_, hop_state) and torch.equal(out, hop_out) and torch.equal(mask, hop_mask)
+    assert torch.equal(replay[0], hop_replay[0]) and torch.equal(replay[0], out)
+    assert torch.equal(torch.rand(4), hop_after)  # the generator is left where the wrappers leave it
