@@ -665,21 +665,22 @@ def markdown(doc: dict[str, Any]) -> str:
     """The matrix as a markdown table, with the environment and the command lines that built it."""
     env = doc["env"]
     lines = ["# poros-fx bench", "",
-             f"Device: {env.get('gpu') or env.get('device')}; torch {env.get('torch')}, transformers "
+             (f"Device: {env.get('gpu') or env.get('device')}; torch {env.get('torch')}, transformers "
              f"{env.get('transformers')}, peft {env.get('peft')}, bitsandbytes {env.get('bitsandbytes')}; pinned H2D "
              f"{_fmt(env.get('pinned_h2d_gbps'), 1)} GB/s. Random-init Qwen2.5 shapes, NF4 base, LoRA r16 alpha 32 "
              "on all seven projections, AdamW, batch 1. s/step: median after warm-up; peak: max_memory_allocated; "
              "floor: 2 x bytes loaded per pass (every block once) x accum / pinned bandwidth; ratio: s/step over "
              "the same run's peft_resident (marked * where that run had none and another run's is used: step "
              "times move between the hosts lent on different days); run: the numbered run below that measured "
-             "the row ('-': a run from before rows were numbered).", "",
+             "the row ('-': a run from before rows were numbered)."), "",
              "Runs (one process each):", ""]
     runs = env.get("runs", [])
     lines += [f"    [{i}] {run_env.get('command') or '?'}" for i, run_env in enumerate(runs, 1)] + [""]
     lines += [f"Run {i} stopped early: {run_env['stopped']}" for i, run_env in enumerate(runs, 1)
               if run_env.get("stopped")]
-    lines += ["", "| model | method | block | seq | accum | s/step | peak GB | H2D GB/s | floor s | compile s | ratio "
-              "| run | error |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    header = ("| model | method | block | seq | accum | s/step | peak GB | H2D GB/s | floor s | compile s | ratio | run "
+              "| error |")
+    lines += ["", header, "|---" * (header.count("|") - 1) + "|"]
     for r in doc["rows"]:
         error = (r.get("error") or "").replace("|", "/")
         ratio = _fmt(r["ratio_vs_peft_resident"], 2) + ("*" if r.get("ratio_cross_run") else "")
