@@ -43,18 +43,14 @@ def _device_type(args: tuple, kwargs: dict) -> str | None:
 
 
 def lower_rng(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
-    lowered = 0
+    # no recompile here: the backend generates the graph's code once, after the last pass
     for n in gm.graph.find_nodes(op="call_function", target=run_and_save_rng_state):
         impl = SAVE.get(_device_type(n.args[1:], n.kwargs))
         if impl is not None:
             n.target = impl
-            lowered += 1
     for n in gm.graph.find_nodes(op="call_function", target=run_with_rng_state):
         impl = RESTORE.get(_device_type(n.args[2:], n.kwargs))
         if impl is not None:
             n.target = impl
-            lowered += 1
-    if lowered:
-        gm.recompile()
     return gm
 
