@@ -3,7 +3,8 @@
 ``GraphRuntime.load_group`` copies one prefetch group (a block's base tensors) to the device: one
 device buffer, one copy per contiguous range of host memory (the store's arena keeps a block's
 tensors side by side, so a block is one copy, not one per tensor: a 7B step made 2,252 copy calls
-and allocations before, 68 now, and the step is bound by the CPU launching work). ``load`` hands out
+and allocations before, 68 now, and the step is bound by the CPU launching work); the group's layout
+in that buffer (``GroupPlan``) is worked out on its first load and reused. ``load`` hands out
 one tensor of that group (a view of the buffer) and books it in the ledger; ``wait`` makes the compute
 stream wait for the group's copy just before the tensor's first reader; ``evict`` books it out at its
 last use (the buffer goes when the graph drops the group's last tensor). With ``stream=False`` a
