@@ -32,8 +32,8 @@ from poros_fx.schedule import Schedule
 
 
 def _device_type(args: tuple, kwargs: dict) -> str | None:
-    types = {v.device.type for a in args if isinstance(a, fx.Node)
-             for v in [a.meta.get("val")] if isinstance(v, torch.Tensor)}
+    values = [a.meta.get("val") for a in args if isinstance(a, fx.Node)]
+    types = {v.device.type for v in values if isinstance(v, torch.Tensor)}
     if "cuda" in types:
         return "cuda"
     if types:

@@ -121,6 +121,7 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
     """Family and its status, base bytes per block, and the predicted resident peak of the base. No weights."""
     from .errors import UnsupportedArchitectureError
     from .families import resolve
+    from .prepare import AUTO
     from .runtime.depth import LIMIT
     from .sizes import block_bytes
 
@@ -143,11 +144,11 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
     console.print(f"base: {sum(sizes) / 2**30:.2f} GiB loaded by {len(names)} blocks per pass (the embedding's rows are "
                   "gathered from the host store, its table is loaded only where the head shares it); "
                   f"largest block {max(sizes) / 2**20:,.1f} MiB ({names[sizes.index(max(sizes))]})")
-    ahead = 1 if prefetch == "auto" else int(prefetch)
+    ahead = 1 if prefetch == AUTO else prefetch
     console.print(f"predicted peak of base weights on the device: (1 + prefetch {ahead}) x largest block = "
                   f"{(1 + ahead) * max(sizes) / 2**20:,.1f} MiB (adapter, activations and logits come on top)"
                   + ("; prefetch auto loads one block ahead in the forward and deepens the backward only as far as "
-                     f"half the free device memory allows (at most {LIMIT} blocks)" if prefetch == "auto" else ""))
+                     f"half the free device memory allows (at most {LIMIT} blocks)" if prefetch == AUTO else ""))
 
 
 @app.command()

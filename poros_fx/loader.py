@@ -36,7 +36,7 @@ from torch import nn
 
 from .errors import PorosConfigError, PorosError
 from .families import Family, resolve
-from .prepare import check_block_options, prepare, quant_state_tensors, resolve_device, set_quant_state, unwrap
+from .prepare import AUTO, check_block_options, prepare, quant_state_tensors, resolve_device, set_quant_state, unwrap
 from .runtime.arena import HostArena, aligned, nbytes
 from .sizes import nf4_bytes
 
@@ -85,7 +85,7 @@ class LoadReport:
 # -- public API -------------------------------------------------------------------------------------
 
 def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization = "nf4",
-                    device: str | torch.device | None = None, block_size: int = 1, prefetch: int | str = "auto",
+                    device: str | torch.device | None = None, block_size: int = 1, prefetch: int | str = AUTO,
                     lora: "peft.PeftConfig | None" = None, family: Family | None = None, *,
                     revision: str | None = None, cache_dir: str | os.PathLike | None = None, progress: bool = True,
                     available_ram: int | Callable[[], int | None] | None = None,
@@ -132,7 +132,7 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
 
 def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", quantization: Quantization = "nf4",
                 device: str | torch.device | None = None, seed: int = 0, lora: "peft.PeftConfig | None" = None,
-                block_size: int = 1, prefetch: int | str = "auto", family: Family | None = None, *, progress: bool = True,
+                block_size: int = 1, prefetch: int | str = AUTO, family: Family | None = None, *, progress: bool = True,
                 available_ram: int | Callable[[], int | None] | None = None,
                 head_chunks: int | None = None) -> nn.Module:
     """Like ``load_pretrained`` with random-init weights instead of a checkpoint (benchmarks, no hub).

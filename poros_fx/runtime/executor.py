@@ -55,6 +55,7 @@ def host_runs(hosts: list[torch.Tensor]) -> list[tuple[torch.Tensor, int, int, l
             runs.append((h, start, end, [i]))
     return runs
 
+
 @dataclasses.dataclass(frozen=True)
 class GroupPlan:
     """How one prefetch group's host tensors land in its device buffer: worked out on the group's
@@ -221,7 +222,7 @@ class GraphRuntime:
         try:
             return torch.empty_strided(shape, stride, dtype=dtype, device=device)
         except torch.OutOfMemoryError as e:
-            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            size = math.prod(shape) * dtype.itemsize
             raise PorosOOMError(self.store.oom_message(block, size, self.stream)) from e
 
     def wrap(self, compiled: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
