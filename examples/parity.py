@@ -21,8 +21,8 @@ import time
 import torch
 
 import poros_fx
-from poros_fx.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tiny import demo_batches, lora_model, qwen25_config, tiny_config
+from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
+from poros_fx.tools.tiny import demo_batches, lora_model, qwen25_config, tiny_config
 
 
 def main(argv: list[str] | None = None) -> int:

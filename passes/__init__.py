@@ -5,7 +5,7 @@ joint forward+backward graph, partitions it (min-cut with the recompute tags whe
 default partition otherwise), then runs ``GRAPH_PASSES`` on the forward and on the backward graph.
 An inference graph (no grad: AOTAutograd compiles a forward only, with no joint graph) first goes
 through ``INFERENCE_PASSES``.
-After every pass the dump hook (``poros_fx.dump``) writes the graph when dumping is on.
+After every pass the dump hook (``poros_fx.compiler.dump``) writes the graph when dumping is on.
 """
 
 from __future__ import annotations

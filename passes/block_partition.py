@@ -22,8 +22,8 @@ import re
 
 import torch.fx as fx
 
-from poros_fx.ops import LOAD
-from poros_fx.schedule import Block, Schedule
+from poros_fx.compiler.ops import LOAD
+from poros_fx.compiler.schedule import Block, Schedule
 
 BLOCK = "poros_block"
 FORWARD = "poros_forward"

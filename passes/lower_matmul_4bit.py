@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from poros_fx.ops import MATMUL_4BIT, MATMUL_4BIT_GRAD, gemm_4bit_call
-from poros_fx.schedule import Schedule
+from poros_fx.compiler.ops import MATMUL_4BIT, MATMUL_4BIT_GRAD, gemm_4bit_call
+from poros_fx.compiler.schedule import Schedule
 
 _DROP = ("val", "tensor_meta")  # an intermediate's shape and dtype are not the op's
 

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
 from poros_fx.runtime.rng import RESTORE, SAVE
-from poros_fx.schedule import Schedule
+from poros_fx.compiler.schedule import Schedule
 
 
 def _device_type(args: tuple, kwargs: dict) -> str | None:

@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from poros_fx.ops import LOAD
-from poros_fx.schedule import Load, Schedule
+from poros_fx.compiler.ops import LOAD
+from poros_fx.compiler.schedule import Load, Schedule
 
 from .block_partition import BLOCK
 from .rng import PHASE

@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from poros_fx.ops import LOAD
-from poros_fx.schedule import Schedule
+from poros_fx.compiler.ops import LOAD
+from poros_fx.compiler.schedule import Schedule
 
 from .block_partition import BLOCK, FORWARD
 from .prefetch import chunk_of

@@ -35,8 +35,8 @@ import torch
 import torch.fx as fx
 
 from poros_fx.errors import PorosExactnessError
-from poros_fx.ops import LOAD
-from poros_fx.schedule import Evict, Schedule
+from poros_fx.compiler.ops import LOAD
+from poros_fx.compiler.schedule import Evict, Schedule
 
 from .block_partition import BLOCK
 from .prefetch import GROUP, move_host_views_before

@@ -1,6 +1,6 @@
 """RNG: record where each random op's generator state is saved and restored, and refuse anything else.
 
-The partitioner (run with ``graphsafe_rng_functionalization=False``, see ``poros_fx.backend``)
+The partitioner (run with ``graphsafe_rng_functionalization=False``, see ``poros_fx.compiler.backend``)
 wraps every random op that sits in a recompute region: the forward runs it through
 ``run_and_save_rng_state`` and hands the state to the backward, which reruns it under
 ``run_with_rng_state``, so a recomputed dropout draws exactly the mask the forward drew, on CPU and
@@ -27,7 +27,7 @@ import torch.fx as fx
 from torch._prims.rng_prims import graphsafe_run_with_rng_state, run_and_save_rng_state, run_with_rng_state
 
 from poros_fx.errors import PorosExactnessError
-from poros_fx.schedule import RngSlot, Schedule
+from poros_fx.compiler.schedule import RngSlot, Schedule
 
 from .block_partition import BLOCK, FORWARD
 

@@ -1,12 +1,26 @@
-"""poros-fx: stream a frozen LoRA/QLoRA base through the GPU block by block, inside torch.compile."""
+"""poros-fx: stream a frozen LoRA/QLoRA base through the GPU block by block, inside torch.compile.
 
-from . import ops  # registers poros::load
+The layout follows the pipeline: ``compiler`` (the backend, schedule, ops, regions, dumps) runs the
+passes (``poros_fx.passes``, the repository's ``passes/`` folder) and hands the graphs to ``runtime``
+(host store, copies, ledger); ``io`` reads and writes checkpoints and data; ``tools`` holds the CLI,
+the benchmark and helpers. The user surfaces (``prepare``, ``step``, ``hf``) sit here at the top.
+"""
+
+import os as _os
+
+# An installed wheel has poros_fx/passes (pyproject's package-dir); a plain checkout keeps the passes
+# in passes/ beside this folder, so the package path reaches there too.
+if not _os.path.isdir(_os.path.join(__path__[0], "passes")) and _os.path.isfile(
+        _os.path.join(_os.path.dirname(__path__[0]), "passes", "__init__.py")):
+    __path__.append(_os.path.dirname(__path__[0]))
+
+from .compiler import ops  # registers poros::load
 from .errors import (NoBlocksError, PorosConfigError, PorosError, PorosExactnessError, PorosOOMError,
                      UnsupportedArchitectureError)
 from .families import VALIDATED, Family, user_asserted
 from .prepare import prepare, unprepare
-from .loader import LoaderError, LoadReport, from_config, load_pretrained, load_report
-from .report import report
+from .io.loader import LoaderError, LoadReport, from_config, load_pretrained, load_report
+from .tools.report import report
 from .stats import stats
 from .step import PorosStep, step
 

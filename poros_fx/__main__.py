@@ -20,8 +20,8 @@ import torch
 from . import prepare, stats
 from .prepare import parse_prefetch
 from .families import VALIDATED
-from .parity import SURFACES, compare, format_diffs, train
-from .tiny import demo_batches, tiny_lora_model
+from .tools.parity import SURFACES, compare, format_diffs, train
+from .tools.tiny import demo_batches, tiny_lora_model
 
 
 def main(argv: list[str] | None = None) -> int:

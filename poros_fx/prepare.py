@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import ops
+from .compiler import ops
 from .errors import NoBlocksError, PorosConfigError
 from .families import Family, resolve
 from .runtime.arena import HostArena, aligned
@@ -215,7 +215,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     if unwrap(model) is not lm:
         setattr(lm, STORE_ATTR, store)
     if logger.isEnabledFor(logging.INFO):
-        from .report import report
+        from .tools.report import report
 
         logger.info("%s", report(model))
     return model

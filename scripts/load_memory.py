@@ -57,7 +57,7 @@ RSS_TARGET = 1.1  # host RSS growth during the load <= 1.1 x (base + one decoder
 GPU_TARGET_BYTES = 0.5e9  # GPU peak during the load <= 0.5 GB (the issue's target at 32B)
 GPU_TARGET_SIZE = "32b"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# poros_fx.tiny.tiny_config("qwen2", **TINY)
+# poros_fx.tools.tiny.tiny_config("qwen2", **TINY)
 TINY = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 2048}
 GIB = 2**30
 
@@ -238,8 +238,8 @@ def resolve_cases(text: str, shape: str | None) -> list[str]:
 
 
 def make_config(size: str):
-    """``poros_fx.tiny``'s config for the shape; with ``:LAYERS``, the same with that many decoder layers."""
-    from poros_fx.tiny import qwen25_config, tiny_config
+    """``poros_fx.tools.tiny``'s config for the shape; with ``:LAYERS``, the same with that many decoder layers."""
+    from poros_fx.tools.tiny import qwen25_config, tiny_config
 
     shape, layers = split_size(size)
     config = tiny_config("qwen2", **TINY) if shape == "tiny" else qwen25_config(shape)
@@ -337,7 +337,7 @@ def _warm_up(device: str) -> None:
 
 
 def _layer_bytes(config) -> tuple[int, int]:
-    from poros_fx.sizes import block_bytes
+    from poros_fx.io.sizes import block_bytes
 
     _, sizes = block_bytes(config, "nf4", 1)
     layers = sizes[1:-1]
@@ -367,7 +367,7 @@ def _store_numbers(model) -> dict[str, Any]:
 def _phase_marks(sampler: Sampler, device: str) -> Iterator[None]:
     """Mark the memory where the loader's tensor-by-tensor phase ends (``_finish``: adapter, then
     ``prepare`` moving the base into the host store) by wrapping those two functions for the load."""
-    from poros_fx import loader
+    from poros_fx.io import loader
 
     originals = {name: getattr(loader, name) for name in ("_finish", "prepare")}
 
@@ -434,7 +434,7 @@ def measure(case: str, device: str, workdir: Path, sample_s: float) -> dict[str,
     import torch
 
     import poros_fx
-    from poros_fx.loader import estimate_host_bytes
+    from poros_fx.io.loader import estimate_host_bytes
 
     config = make_config(size)
     row["expected_base_bytes"] = estimate_host_bytes(config, "nf4")
@@ -691,7 +691,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += [
         "",
         ("Columns: *base* is the host store's bytes (sum of its entries; for `std` rows the loader's estimate of the "
-        "same NF4 layout), *layer* one decoder layer's NF4 bytes (`poros_fx.sizes.block_bytes`), *pinned* the "
+        "same NF4 layout), *layer* one decoder layer's NF4 bytes (`poros_fx.io.sizes.block_bytes`), *pinned* the "
         "store's `pinned_bytes()` when it has one. *RSS peak +* is the process's peak RSS during the load (VmHWM after "
         "a `/proc/self/clear_refs` reset; the sampled VmRSS peak when the reset failed) minus its RSS just before; "
         "*ratio* = that / (base + layer), the target is <= 1.1. *anon ratio* counts only anonymous memory "

@@ -11,7 +11,7 @@ import torch
 
 from cli_helper import cli
 
-from poros_fx import bench
+from poros_fx.tools import bench
 
 TINY = {"models": "tiny", "seqs": "32", "accums": "1", "steps": 2, "warmup": 1, "device": "cpu"}
 ROW_KEYS = {"model", "method", "block_size", "seq", "accum", "s_per_step", "peak_gb", "h2d_gbps", "floor_s",

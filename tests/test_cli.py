@@ -6,8 +6,8 @@ from cli_helper import cli
 import torch
 
 import poros_fx
-from poros_fx.sizes import block_bytes, nf4_bytes
-from poros_fx.tiny import tiny_config, tiny_lora_model
+from poros_fx.io.sizes import block_bytes, nf4_bytes
+from poros_fx.tools.tiny import tiny_config, tiny_lora_model
 
 
 

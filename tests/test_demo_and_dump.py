@@ -4,7 +4,7 @@ import torch
 
 import poros_fx
 from poros_fx.__main__ import main
-from poros_fx.tiny import demo_batches, tiny_lora_model
+from poros_fx.tools.tiny import demo_batches, tiny_lora_model
 
 
 def test_main_job_writes_a_standard_adapter(tmp_path, capsys):
@@ -49,7 +49,7 @@ def test_dump_writes_graphs_and_schedule(tmp_path):
 
 def test_timeline_data_follows_the_schedule():
     from poros_fx.prepare import get_store
-    from poros_fx.timeline import build
+    from poros_fx.compiler.timeline import build
 
     model = tiny_lora_model("qwen2", layers=3)
     poros_fx.prepare(model, device="cpu", prefetch=1)

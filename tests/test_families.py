@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import poros_fx
-from poros_fx.parity import SURFACES, compare, format_diffs, train
+from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
 from poros_fx.prepare import get_store
-from poros_fx.tiny import demo_batches, tiny_lora_model
+from poros_fx.tools.tiny import demo_batches, tiny_lora_model
 
 STEPS = 20
 ACCUMULATE = 2

@@ -2,7 +2,7 @@
 
 Every checkpoint here is a tiny real Qwen2/Llama model written into tmp_path by ``save_pretrained``
 (sharded with ``max_shard_size``); the reference is always an independent standard load of the same
-files (``from_pretrained`` then ``poros_fx.quantize.quantize_nf4``), compared by sha256 / torch.equal.
+files (``from_pretrained`` then ``poros_fx.io.quantize.quantize_nf4``), compared by sha256 / torch.equal.
 """
 
 import hashlib
@@ -17,11 +17,11 @@ import torch
 import transformers
 
 import poros_fx
-from poros_fx import loader
-from poros_fx.loader import LoaderError, from_config, load_pretrained, load_report
+from poros_fx.io import loader
+from poros_fx.io.loader import LoaderError, from_config, load_pretrained, load_report
 from poros_fx.prepare import causal_lm, get_store
-from poros_fx.quantize import quantize_nf4
-from poros_fx.tiny import TARGETS, demo_batches, tiny_config
+from poros_fx.io.quantize import quantize_nf4
+from poros_fx.tools.tiny import TARGETS, demo_batches, tiny_config
 
 PLENTY = 1 << 40  # an available-RAM reading that never refuses
 
@@ -225,7 +225,7 @@ def test_arguments_are_checked_before_any_file_is_read(tmp_path):
         load(missing, block_size=0)
     with pytest.raises(poros_fx.PorosConfigError, match=r"pass lora="):
         from_config(tiny_config())
-    with pytest.raises(poros_fx.PorosConfigError, match="not made by poros_fx.loader"):
+    with pytest.raises(poros_fx.PorosConfigError, match="not made by poros_fx.load_pretrained"):
         load_report(torch.nn.Linear(2, 2))
 
 
@@ -391,7 +391,7 @@ def test_cuda_nf4_equals_bitsandbytes_config_load(tmp_path):
 @pytest.mark.gpu
 def test_cuda_nf4_equals_bitsandbytes_config_load_05b(tmp_path):
     """The byte-identity check at the Qwen2.5-0.5B shape, with a bf16 checkpoint written here."""
-    from poros_fx.tiny import qwen25_config
+    from poros_fx.tools.tiny import qwen25_config
 
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(qwen25_config("0.5b"), dtype=torch.bfloat16).save_pretrained(

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import poros_fx
-from poros_fx.parity import SURFACES, compare, format_diffs, train
+from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
 from poros_fx.prepare import get_store
-from poros_fx.tiny import demo_batches, tiny_config
+from poros_fx.tools.tiny import demo_batches, tiny_config
 
 ZERO = {s: 0.0 for s in SURFACES}
 
@@ -18,8 +18,8 @@ def build(nested: bool):
     import peft
     import transformers
 
-    from poros_fx.quantize import quantize_nf4
-    from poros_fx.tiny import TARGETS
+    from poros_fx.io.quantize import quantize_nf4
+    from poros_fx.tools.tiny import TARGETS
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2", layers=2), dtype=torch.float32)

@@ -3,7 +3,7 @@
 import torch
 import torch.fx as fx
 
-from poros_fx.ops import LOAD
+from poros_fx.compiler.ops import LOAD
 from poros_fx.passes.block_partition import BLOCK, FORWARD, _unshare_loads
 from poros_fx.passes.residency import aliases
 
@@ -40,7 +40,7 @@ def test_aliases_follow_views_only():
 def _schedule(stream=True):
     from poros_fx.options import PorosOptions
     from poros_fx.runtime.executor import GraphRuntime
-    from poros_fx.schedule import Block, Schedule
+    from poros_fx.compiler.schedule import Block, Schedule
 
     s = Schedule(graph_id="t", options=PorosOptions(), device=torch.device("cpu"), block_size=1, prefetch=0,
                  stream=stream, blocks=[Block(0, "embed"), Block(1, "layers.0")])

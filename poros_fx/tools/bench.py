@@ -1,8 +1,8 @@
 """The side-by-side benchmark (issue 3): PEFT baselines and poros in one process, one JSON matrix.
 
-    python -m poros_fx.bench --models 7b --json out/bench.json          # on the GPU
+    python -m poros_fx.tools.bench --models 7b --json out/bench.json          # on the GPU
     poros-fx bench --models 0.5b,7b --methods poros --block-sizes 1,2,4 --json out/bench.json
-    python -m poros_fx.bench --device cpu --models tiny --steps 2       # CPU smoke run
+    python -m poros_fx.tools.bench --device cpu --models tiny --steps 2       # CPU smoke run
 
 Methods (``METHODS``): ``peft_resident`` (PEFT LoRA on a bitsandbytes NF4 base, eager),
 ``peft_checkpointing`` (the same + non-reentrant activation checkpointing), ``compiled_resident``
@@ -16,7 +16,7 @@ r16 alpha 32 dropout 0.05 on all seven projections, AdamW, batch 1; one row per 
 the grid (``star``: the first seq and accum, plus each other seq at the first accum and each other
 accum at the first seq; ``full``: every pair).
 
-How the models are built: one ``poros_fx.loader.from_config`` call per model size, shared by every
+How the models are built: one ``poros_fx.io.loader.from_config`` call per model size, shared by every
 row of that size. ``from_config`` generates and NF4-quantizes the base one tensor at a time on the
 device and keeps it in the host store, so a 72B never exists in bf16 anywhere. The PEFT baselines
 need the same NF4 base resident on the device: ``poros_fx.unprepare`` puts each tensor back where
@@ -41,7 +41,7 @@ several device calls build one matrix. The JSON, the markdown table and the PNG 
 after every row, so a call killed at its time limit keeps every row it finished; ``--time-budget``
 stops starting rows once exceeded (the one in flight finishes) and says so in the JSON and markdown.
 
-On the lent H200 run it as ``python3 -m poros_fx.bench`` (the machine may lack typer, which only the
+On the lent H200 run it as ``python3 -m poros_fx.tools.bench`` (the machine may lack typer, which only the
 ``poros-fx`` script needs); put the previous call's JSON at the ``--json`` path to extend it.
 """
 
@@ -122,7 +122,7 @@ def _compiled_resident(model: nn.Module, block_size: int | None) -> Runner:
 
 
 def _poros_teardown(model: nn.Module) -> Callable[[], None]:
-    from .prepare import get_store
+    from ..prepare import get_store
 
     def teardown() -> None:
         store = get_store(model)
@@ -345,7 +345,7 @@ class ModelHolder:
     def __init__(self, name: str, device: torch.device, seed: int) -> None:
         import peft
 
-        from .loader import from_config
+        from ..io.loader import from_config
 
         self.name = name
         self.device = device
@@ -357,7 +357,7 @@ class ModelHolder:
         self.state: State = "prepared"
 
     def ensure(self, state: State) -> nn.Module:
-        from .prepare import prepare, unprepare
+        from ..prepare import prepare, unprepare
 
         if state != self.state:
             if state == "resident":
@@ -397,8 +397,8 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
 
     ``base_bytes``: the host store's size; ``streamed_bytes``: what one pass loads (every block once:
     the embedding's table is gathered, not loaded), the floor's numerator."""
-    from .prepare import get_store
-    from .stats import stats
+    from ..prepare import get_store
+    from ..stats import stats
 
     device = holder.device
     row = _empty_row(spec)
@@ -493,9 +493,9 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
 
     Returns the merged document. A row's failure is recorded in its ``error`` and the run goes on.
     """
-    from .loader import estimate_host_bytes
-    from .sizes import block_bytes
-    from .prepare import resolve_device
+    from ..io.loader import estimate_host_bytes
+    from ..io.sizes import block_bytes
+    from ..prepare import resolve_device
 
     started = time.perf_counter()
     device = resolve_device(config.device)
@@ -738,7 +738,7 @@ def write_outputs(doc: dict[str, Any], config: BenchConfig) -> None:
 # -- command line -----------------------------------------------------------------------------------
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m poros_fx.bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m poros_fx.tools.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated: tiny, 0.5b, 7b, 32b, 72b")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated: {', '.join(METHODS)}")
@@ -762,7 +762,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m poros_fx.bench``; returns the exit status (2: no CUDA without --device cpu, bad options)."""
+    """``python -m poros_fx.tools.bench``; returns the exit status (2: no CUDA without --device cpu, bad options)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -774,7 +774,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              device=args.device, json_path=args.json, md_path=args.md, plot_path=args.plot,
                              time_budget=args.time_budget, compiled_resident=args.compiled_resident,
                              profile_dir=args.profile,
-                             command=shlex.join(["python", "-m", "poros_fx.bench", *argv]))
+                             command=shlex.join(["python", "-m", "poros_fx.tools.bench", *argv]))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

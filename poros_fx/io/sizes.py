@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import nn
 
-from .families import Family, resolve
-from .prepare import block_names, gathers_rows, module_blocks
+from ..families import Family, resolve
+from ..prepare import block_names, gathers_rows, module_blocks
 
 if TYPE_CHECKING:
     import transformers

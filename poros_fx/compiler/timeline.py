@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from .passes.block_partition import BLOCK, FORWARD
-from .runtime.executor import GraphRuntime
+from ..passes.block_partition import BLOCK, FORWARD
+from ..runtime.executor import GraphRuntime
 from .schedule import Schedule
 
 

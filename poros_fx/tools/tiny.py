@@ -86,7 +86,7 @@ def lora_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = to
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     if nf4:
-        from .quantize import quantize_nf4
+        from ..io.quantize import quantize_nf4
 
         quantize_nf4(model, compute_dtype=dtype, device=device)
     torch.manual_seed(seed + 1)

@@ -19,8 +19,8 @@ from collections import Counter
 
 from torch import nn
 
-from .errors import PorosConfigError
-from .prepare import causal_lm, get_store, unwrap
+from ..errors import PorosConfigError
+from ..prepare import causal_lm, get_store, unwrap
 
 
 def _adapter(model: nn.Module) -> str:

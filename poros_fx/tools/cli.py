@@ -32,8 +32,8 @@ BUILTIN = ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b")
 
 
 def _prefetch(value: str) -> int | str:
-    from .errors import PorosConfigError
-    from .prepare import parse_prefetch
+    from ..errors import PorosConfigError
+    from ..prepare import parse_prefetch
 
     try:
         return parse_prefetch(value)
@@ -104,7 +104,7 @@ def doctor() -> None:
     try:
         from torch._dynamo.backends.registry import lookup_backend
 
-        from .backend import poros
+        from ..compiler.backend import poros
 
         resolves = lookup_backend("poros") is poros
         table.add_row('backend="poros"', "resolves (entry point torch_dynamo_backends)" if resolves
@@ -119,11 +119,11 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
           quantization: str = typer.Option("nf4", help="nf4 or bf16"),
           block_size: int = typer.Option(1, min=1), prefetch: str = PREFETCH_OPTION) -> None:
     """Family and its status, base bytes per block, and the predicted resident peak of the base. No weights."""
-    from .errors import UnsupportedArchitectureError
-    from .families import resolve
-    from .prepare import AUTO
-    from .runtime.depth import LIMIT
-    from .sizes import block_bytes
+    from ..errors import UnsupportedArchitectureError
+    from ..families import resolve
+    from ..prepare import AUTO
+    from ..runtime.depth import LIMIT
+    from ..io.sizes import block_bytes
 
     config = load_config(model_or_config)
     try:
@@ -161,7 +161,7 @@ def dump(model_or_config: str = typer.Argument(..., help="built-in shape, config
     """Compile one training step and write its dumps, without training (random weights, LAYERS layers)."""
     import torch
 
-    from . import prepare
+    from .. import prepare
     from .tiny import demo_batches, lora_model
 
     config = load_config(model_or_config)
@@ -242,11 +242,11 @@ def train(model: Optional[str] = typer.Argument(None, help="model folder (save_p
     import peft
     import torch
 
-    from . import stats
-    from .data import batches, load_dataset
-    from .errors import PorosError
-    from .loader import from_config as random_model
-    from .loader import load_pretrained, resolve_folder
+    from .. import stats
+    from ..io.data import batches, load_dataset
+    from ..errors import PorosError
+    from ..io.loader import from_config as random_model
+    from ..io.loader import load_pretrained, resolve_folder
 
     if (model is None) == (from_config is None):
         raise _fail("give either MODEL (a folder or cached hub id) or --from-config NAME_OR_CONFIG, not both or neither")
@@ -390,8 +390,8 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
            max_shard_size: str = typer.Option("5GB", help="largest shard (cut at decoder-layer boundaries)"),
            overwrite: bool = typer.Option(False, help="write into a non-empty OUT, replacing its model files")) -> None:
     """Merge a LoRA adapter into a bf16 copy of its base, tensor by tensor (never the whole model in memory)."""
-    from .errors import PorosError
-    from .export import export_merged
+    from ..errors import PorosError
+    from ..io.export import export_merged
 
     limit = _parse_size(max_shard_size)
     try:

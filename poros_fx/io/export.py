@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import PorosError
+from ..errors import PorosError
 from .loader import TensorSpec, read_checkpoint_index, resolve_folder
 
 OUT_DTYPE = torch.bfloat16

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .options import PorosOptions
+from ..options import PorosOptions
 
 
 @dataclasses.dataclass

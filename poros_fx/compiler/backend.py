@@ -22,17 +22,17 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.fx.graph import _BoxedCodeGen
 
-from .passes import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES
-from .passes.block_partition import BLOCK, FORWARD
-from .passes.rng import PHASE
+from ..passes import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES
+from ..passes.block_partition import BLOCK, FORWARD
+from ..passes.rng import PHASE
 
 from .dump import Dumper
-from .errors import PorosConfigError
-from .options import PorosOptions
-from .prepare import AUTO, ENTRY_ATTR
-from .runtime.depth import choose_prefetch
-from .runtime.executor import GraphRuntime
-from .runtime.store import HostStore
+from ..errors import PorosConfigError
+from ..options import PorosOptions
+from ..prepare import AUTO, ENTRY_ATTR
+from ..runtime.depth import choose_prefetch
+from ..runtime.executor import GraphRuntime
+from ..runtime.store import HostStore
 from .schedule import Schedule
 
 logger = logging.getLogger("poros_fx")

@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Literal
 import torch
 from torch import nn
 
-from .errors import PorosConfigError, PorosError
-from .families import Family, resolve
-from .prepare import AUTO, check_block_options, prepare, quant_state_tensors, resolve_device, set_quant_state, unwrap
-from .runtime.arena import HostArena, aligned, nbytes
+from ..errors import PorosConfigError, PorosError
+from ..families import Family, resolve
+from ..prepare import AUTO, check_block_options, prepare, quant_state_tensors, resolve_device, set_quant_state, unwrap
+from ..runtime.arena import HostArena, aligned, nbytes
 from .sizes import nf4_bytes
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class LoaderError(PorosError):
 
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
-    """What one ``load_pretrained`` / ``from_config`` call did (``poros_fx.loader.load_report(model)``)."""
+    """What one ``load_pretrained`` / ``from_config`` call did (``poros_fx.load_report(model)``)."""
 
     source: str  # the checkpoint folder, or "random-init (seed=N)"
     quantization: str
@@ -172,7 +172,7 @@ def load_report(model: nn.Module) -> LoadReport:
     """The ``LoadReport`` of a model made by ``load_pretrained`` or ``from_config``."""
     report = getattr(unwrap(model), REPORT_ATTR, None)
     if report is None:
-        raise PorosConfigError("model was not made by poros_fx.loader.load_pretrained or from_config")
+        raise PorosConfigError("model was not made by poros_fx.load_pretrained or from_config")
     return report
 
 
@@ -446,7 +446,7 @@ def _meta_model(config: "transformers.PretrainedConfig", quantization: str, fam:
     if quantization == "nf4":
         from .quantize import linear4bit_like
 
-        # the same replacement poros_fx.quantize.quantize_nf4 makes, without touching any weight
+        # the same replacement poros_fx.io.quantize.quantize_nf4 makes, without touching any weight
         for _, child in list(model.get_submodule(fam.layers).named_modules()):
             for attr, lin in list(child.named_children()):
                 if type(lin) is not nn.Linear:

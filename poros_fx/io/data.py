@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from .errors import PorosError
+from ..errors import PorosError
 
 if TYPE_CHECKING:
     import transformers

@@ -1,0 +1,1 @@
+"""Tools beside the pipeline: the CLI, the benchmark, profiling, reports, parity helpers, tiny models."""
