@@ -4,7 +4,8 @@ A pass is ``(graph_module, schedule) -> graph_module``. The backend runs ``JOINT
 joint forward+backward graph, partitions it (min-cut with the recompute tags when streaming, the
 default partition otherwise), then runs ``GRAPH_PASSES`` on the forward and on the backward graph.
 An inference graph (no grad: AOTAutograd compiles a forward only, with no joint graph) first goes
-through ``INFERENCE_PASSES``.
+through ``INFERENCE_PASSES``. ``lower_regions`` runs ``REGION_PASSES`` once on each region's own
+forward and backward graphs (a decoder layer, ``poros_fx/compiler/regions.py``) before compiling it.
 After every pass the dump hook (``poros_fx.compiler.dump``) writes the graph when dumping is on.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from .block_partition import block_partition
 from .lower_matmul_4bit import lower_matmul_4bit
+from .lower_regions import lower_regions
 from .lower_rng import lower_rng
 from .prefetch import prefetch
 from .recompute import recompute
@@ -20,7 +22,8 @@ from .rng import rng
 
 JOINT_PASSES = (block_partition, recompute)
 INFERENCE_PASSES = (block_partition,)
-GRAPH_PASSES = (lower_matmul_4bit, rng, lower_rng, prefetch, residency)
+GRAPH_PASSES = (lower_matmul_4bit, rng, lower_rng, lower_regions, prefetch, residency)
+REGION_PASSES = (lower_matmul_4bit,)
 
-__all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "block_partition", "lower_matmul_4bit", "lower_rng", "prefetch",
-           "recompute", "residency", "rng"]
+__all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "REGION_PASSES", "block_partition", "lower_matmul_4bit",
+           "lower_regions", "lower_rng", "prefetch", "recompute", "residency", "rng"]

@@ -18,6 +18,7 @@ and ``schedule.blocks`` listing the four blocks with the base bytes each one loa
 
 from __future__ import annotations
 
+import operator
 import re
 
 import torch.fx as fx
@@ -56,6 +57,8 @@ def block_partition(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     pattern = re.compile(rf"(?:^|\.){re.escape(schedule.layer_attr)}\.(\d+)(?:\.|$)")
     graph = gm.graph
     fwd = forward_nodes(graph, schedule.num_fwd_outputs)
+    # an output of a forward op that only the backward reads (a region's saved tensors) is forward too
+    fwd |= {n for n in graph.nodes if n.target is operator.getitem and n.args[0] in fwd}
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     layer_of = {n: _layer_of(n.meta.get("nn_module_stack"), pattern) for n in nodes if n in fwd}
     layers = sorted({v for v in layer_of.values() if v is not None})

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
 from poros_fx.runtime.rng import RESTORE, SAVE
@@ -32,7 +33,8 @@ from poros_fx.compiler.schedule import Schedule
 
 
 def _device_type(args: tuple, kwargs: dict) -> str | None:
-    values = [a.meta.get("val") for a in args if isinstance(a, fx.Node)]
+    # a region's inputs are one list argument
+    values = [a.meta.get("val") for a in pytree.tree_leaves(list(args)) if isinstance(a, fx.Node)]
     types = {v.device.type for v in values if isinstance(v, torch.Tensor)}
     if "cuda" in types:
         return "cuda"

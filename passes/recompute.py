@@ -24,6 +24,9 @@ After::
 
 from __future__ import annotations
 
+import operator
+
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -50,4 +53,33 @@ def recompute(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
                 continue
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = n.meta[BLOCK] + 1
+    _save_block_outputs(gm)
     return gm
+
+
+def _save_block_outputs(gm: fx.GraphModule) -> None:
+    """A block's output that is one output of a multi-output op (a layer region's ``region[0]``) goes to
+    later blocks through a ``clone`` marked ``MUST_SAVE`` (a view would not do: the partitioner never
+    bans a view from recomputation; the copy is one hidden state per layer). It never saves a ``getitem``:
+    the op is recomputed in the backward anyway, so it would take the output from there, and every
+    block's recompute would then need the block before it recomputed first, back to the embedding —
+    the whole forward rerun at the start of the backward with every block's weights loaded at once.
+
+        getitem = region[0]                     [block 1, MUST_RECOMPUTE]
+        region_1 = poros.region([getitem, ...]) [block 2]
+    becomes
+        getitem = region[0]                     [block 1, MUST_RECOMPUTE]
+        clone = aten.clone(getitem)             [block 1, MUST_SAVE]
+        region_1 = poros.region([clone, ...])   [block 2]
+    """
+    for n in list(gm.graph.nodes):
+        if not (n.target is operator.getitem and n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE):
+            continue
+        later = [u for u in n.users if u.meta.get(BLOCK) != n.meta[BLOCK]]
+        if not later:
+            continue
+        with gm.graph.inserting_after(n):
+            saved = gm.graph.call_function(torch.ops.aten.clone.default, (n,))
+        saved.meta = {**n.meta, "recompute": CheckpointPolicy.MUST_SAVE}
+        for user in later:
+            user.replace_input_with(n, saved)

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from .errors import PorosConfigError
-from .prepare import check_block_options
+from .prepare import check_block_options, check_codegen
 
 DUMP_ENV = "POROS_FX_DUMP"
 
@@ -19,6 +19,7 @@ class PorosOptions:
     stream: bool = True  # False: base resident, nothing recomputed (the parity reference)
     dump: str | None = None  # folder for graph dumps; POROS_FX_DUMP when not given
     group_copies: bool = True  # False: one copy (and allocation) per tensor instead of one per block; for A/B runs
+    codegen: str | None = None  # "inductor" | "eager": how regions run; None: what prepare() was given
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "PorosOptions":
@@ -30,6 +31,7 @@ class PorosOptions:
         opts = cls(**options)
         check_block_options(1 if opts.block_size is None else opts.block_size,
                             0 if opts.prefetch is None else opts.prefetch)
+        check_codegen(opts.codegen)
         for name in ("stream", "group_copies"):
             if not isinstance(getattr(opts, name), bool):
                 raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")

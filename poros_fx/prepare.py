@@ -124,8 +124,8 @@ def head_chunk_count(nbytes: int, rows: int, requested: int | None = None) -> in
 
 def prepare(model: nn.Module, device: str | torch.device | None = None, block_size: int = 1,
             prefetch: int | str = AUTO,
-            *, family: Family | None = None, head_chunks: int | None = None,
-            _arena: HostArena | None = None) -> nn.Module:
+            *, family: Family | None = None, head_chunks: int | None = None, codegen: str | None = None,
+            regions: bool = True, _arena: HostArena | None = None) -> nn.Module:
     """Move the frozen base of ``model`` into a host store; returns ``model`` (changed in place).
 
     ``device`` is the compute device (``None``: CUDA when present, else CPU). ``block_size`` decoder
@@ -136,8 +136,14 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     about 256 MiB above, so a 32B/72B head, 1.6/2.5 GB in bf16, is never resident whole). Chunked, the
     logits are ``cat`` of per-chunk matmuls: exact against ``stream=False`` (same graph), but no longer
     bitwise equal to an eager run's single matmul (its backward sums the chunks' products).
+    ``codegen``: how compiled regions run, ``"inductor"`` (fused kernels) or ``"eager"`` (the aten
+    graph, equal to the eager loop); ``None``: the default for the device (``default_codegen``).
+    ``regions``: each decoder layer becomes one compiled region under ``torch.compile``, traced once per
+    distinct layer structure (``compiler/regions.py``); ``False`` traces every layer into the step's
+    graph (the path before regions, for an architecture the region tracer cannot take).
     """
     check_block_options(block_size, prefetch)
+    codegen = check_codegen(codegen)
     device = resolve_device(device)
     if hasattr(model, "_orig_mod"):
         raise PorosConfigError("prepare the model before torch.compile: poros_fx.prepare(model) then torch.compile(model, backend='poros')")
@@ -158,7 +164,8 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
                             f"block by block and needs that list (family {fam.model_type!r} says it is there)")
 
     names = block_names(len(layers), block_size)
-    store = HostStore(device=device, block_size=block_size, prefetch=prefetch, family=fam, block_names=names)
+    store = HostStore(device=device, block_size=block_size, prefetch=prefetch, family=fam, block_names=names,
+                      codegen=codegen or default_codegen(device))
     block_of = module_blocks(fam, len(layers), block_size)
 
     reader_blocks: dict[int, set[int]] = {}
@@ -209,6 +216,8 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
         module._poros_device = device
         module._poros_frozen = tuple(frozen)
         store.undo.append(lambda module=module, original=original: _restore_class(module, original))
+    if regions:
+        _make_regions(store, layers)
     if device.type == "cuda":
         store.arena.pin()  # one exact-size page-locked range (see runtime/arena.py)
     setattr(model, STORE_ATTR, store)
@@ -219,6 +228,51 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
 
         logger.info("%s", report(model))
     return model
+
+
+CODEGENS = ("inductor", "eager")
+
+
+def check_codegen(codegen: Any) -> str | None:
+    if codegen is not None and codegen not in CODEGENS:
+        raise PorosConfigError(f"codegen must be 'inductor' (fused kernels per region) or 'eager' (aten calls, equal "
+                               f"to the eager loop), got {codegen!r}")
+    return codegen
+
+
+def default_codegen(device: torch.device) -> str:
+    """The codegen a prepared model's regions get unless asked otherwise: ``"eager"`` everywhere for now
+    (Inductor is opt-in until its GPU parity tests have passed on the current code)."""
+    return "eager"
+
+
+def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
+    """Each decoder layer gets a class whose forward is one ``poros::region`` call under torch.compile
+    (``compiler/regions.py``), and the store a table of the regions traced from them."""
+    from .compiler.regions import RegionTable, layer_forward
+
+    store.regions = RegionTable(list(layers))
+    hosts = {id(e.host) for e in store.entries.values()}
+    classes: dict[type, type] = {}
+    for index, layer in enumerate(layers):
+        before = type(layer)
+        if before not in classes:
+            classes[before] = type(before.__name__, (before,), {"__module__": before.__module__,
+                                                                "forward": layer_forward,
+                                                                "_poros_layer_class": before})
+        layer.__class__ = classes[before]
+        layer._poros_table = store.regions.handle
+        layer._poros_layer = index
+        layer._poros_device = store.device
+        layer._poros_host_names = frozenset(n for n, t in (*layer.named_parameters(), *layer.named_buffers())
+                                            if id(t) in hosts)
+
+        def undo(layer=layer, before=before):
+            layer.__class__ = before
+            for attr in ("_poros_table", "_poros_layer", "_poros_host_names", "_poros_device"):
+                layer.__dict__.pop(attr, None)
+
+        store.undo.append(undo)
 
 
 def unprepare(model: nn.Module) -> nn.Module:

@@ -49,7 +49,10 @@ def runs(nested: bool, use_op: bool = True):
 
 
 def targets(graph) -> list[str]:
-    return [str(n.target) for n in graph.graph.nodes if n.op == "call_function"]
+    """The ops the graph runs, the decoder-layer regions' own graphs included."""
+    from poros_fx.compiler.regions import expanded_targets
+
+    return expanded_targets(graph)
 
 
 @pytest.mark.parametrize("nested", [True, False], ids=["double-quant", "plain-absmax"])

@@ -33,6 +33,7 @@ from ..prepare import AUTO, ENTRY_ATTR
 from ..runtime.depth import choose_prefetch
 from ..runtime.executor import GraphRuntime
 from ..runtime.store import HostStore
+from .regions import REGION
 from .schedule import Schedule
 
 logger = logging.getLogger("poros_fx")
@@ -71,6 +72,20 @@ def _measured_depth(store: HostStore | None) -> tuple[int, str]:
     return choose_prefetch(store.timing, device_type=store.device.type, block_bytes=layer, free_bytes=free)
 
 
+def _warn_inline_layers(gm: fx.GraphModule, store: HostStore, schedule: Schedule) -> None:
+    """Say so when a model with regions has decoder layers traced inline in this graph (each layer
+    traced and compiled on its own, and ``codegen`` not applied to them), and why."""
+    if store.regions is None or gm.graph.find_nodes(op="call_function", target=REGION):
+        return
+    pattern = f".{schedule.layer_attr}."
+    if not any(pattern in str(fqn) for n in gm.graph.nodes for fqn, _ in (n.meta.get("nn_module_stack") or {}).values()):
+        return
+    warnings.warn(f"poros backend: decoder layers are traced into this graph one by one instead of running as "
+                  f"compiled regions ({schedule.codegen} codegen does not apply to them; compiling takes longer): a "
+                  "layer was called with a value a region cannot take (a KV cache object: pass use_cache=False when "
+                  "training)", stacklevel=2)
+
+
 def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """The backend. ``options``: ``block_size``, ``prefetch``, ``stream``, ``dump`` (see ``PorosOptions``)."""
     opts = PorosOptions.from_dict(options)
@@ -88,9 +103,11 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         stream=opts.stream,
         auto_prefetch=requested == AUTO and opts.stream,
         layer_attr=store.family.layer_attr if store else "layers",
+        codegen=opts.codegen or (store.codegen if store else "eager"),
     )
     if store is not None:
         store.schedules.append(schedule)
+        _warn_inline_layers(gm, store, schedule)
     primals = (f"primals_{i}" for i in itertools.count(1))
     schedule.host_inputs = {name: getattr(t, ENTRY_ATTR) for name, t in zip(primals, example_inputs)
                             if isinstance(t, torch.Tensor) and getattr(t, ENTRY_ATTR, None) is not None}

@@ -2,8 +2,10 @@
 
 With ``options={"dump": folder}`` or ``POROS_FX_DUMP=folder`` each compiled graph gets a folder
 ``graph_N`` holding ``00_joint.py`` (the captured joint graph), ``NN_<phase>_<pass>.py`` after every
-pass (readable Python, devices shown), ``schedule.txt`` (the schedule table) and ``timeline.png``
-(blocks over the step: compute, recompute, loads, evicts; predicted memory with its peak).
+pass (readable Python, devices shown), ``schedule.txt`` (the schedule table), ``timeline.png``
+(blocks over the step: compute, recompute, loads, evicts; predicted memory with its peak) and, for
+each decoder-layer region the graph calls, ``regions/rK_joint.py``, ``rK_forward.py`` and
+``rK_backward.py`` (the one layer's joint graph and its partition, after the region passes).
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ class Dumper:
         if self.folder is None:
             return
         (self.folder / "schedule.txt").write_text(schedule.table())
+        for use in schedule.regions.values():
+            folder = self.folder / "regions"
+            folder.mkdir(exist_ok=True)
+            for label, gm in (("joint", use.region.joint), ("forward", use.region.forward),
+                              ("backward", use.region.backward)):
+                if gm is not None:
+                    text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
+                    (folder / f"{use.name}_{label}.py").write_text(text)
         if schedule.graphs:
             from .timeline import render
 

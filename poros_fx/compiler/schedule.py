@@ -53,6 +53,29 @@ class RngSlot:
 
 
 @dataclasses.dataclass
+class RegionUse:
+    """A compiled region (``compiler/regions.py``) as one graph uses it: the blocks that call it, and its
+    sizes and costs (trace once per structure, compile once per codegen)."""
+
+    name: str  # "r0"
+    codegen: str
+    forward_nodes: int
+    backward_nodes: int
+    saved: int  # tensors its forward hands its backward
+    trace_seconds: float
+    compile_seconds: float
+    blocks: set[int] = dataclasses.field(default_factory=set)
+    region: Any = dataclasses.field(default=None, repr=False)  # the compiler.regions.Region (its graphs, for dumps)
+
+    @classmethod
+    def of(cls, region: Any, codegen: str) -> "RegionUse":
+        return cls(name=region.name, codegen=codegen, forward_nodes=len(region.forward.graph.nodes),
+                   backward_nodes=len(region.backward.graph.nodes) if region.backward is not None else 0,
+                   saved=len(region.output_meta) - region.num_outputs, trace_seconds=region.trace_seconds,
+                   compile_seconds=region.compile_seconds.get(codegen, 0.0), region=region)
+
+
+@dataclasses.dataclass
 class Schedule:
     graph_id: str
     options: PorosOptions
@@ -72,6 +95,8 @@ class Schedule:
     auto_prefetch: bool = False  # options={"prefetch": "auto"}: the backward's depth is measured
     prefetch_note: str = ""  # how the backward's depth was chosen (auto)
     graphs: dict[str, Any] = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> final GraphModule
+    codegen: str = "eager"  # how the regions of this graph run ("inductor" | "eager")
+    regions: dict[str, RegionUse] = dataclasses.field(default_factory=dict)  # region name -> its use here
 
     def load_source(self, load: Any) -> tuple[str, int]:
         """(host-store name, bytes copied) of a ``poros.load`` node; a chunked head's load reads a row
@@ -94,7 +119,7 @@ class Schedule:
         head = (f"graph {self.graph_id}: stream={self.stream} block_size={self.block_size} prefetch={self.prefetch} "
                 f"device={self.device}\n" + (f"{self.prefetch_note}\n" if self.prefetch_note else ""))
         cols = ["block", "name", "base_bytes", "fw_loads", "fw_issued_at", "bw_loads", "bw_issued_at", "evicts",
-                "fw_nodes", "recomputed", "rng_slots"]
+                "fw_nodes", "recomputed", "rng_slots", "region"]
         rows = [cols]
         for b in self.blocks:
             mine = [ld for ld in self.loads if ld.block == b.index]
@@ -102,12 +127,17 @@ class Schedule:
             bw = [ld for ld in mine if ld.phase == "backward"]
             at = lambda ls: ",".join(sorted({self.block_name(ld.issued_before_block) for ld in ls})) or "-"
             rng = [str(s.index) for s in self.rng_slots if s.block == b.index]
+            region = ",".join(r.name for r in self.regions.values() if b.index in r.blocks) or "-"
             rows.append([str(b.index), b.name, str(b.nbytes), str(len(fw)), at(fw), str(len(bw)), at(bw),
                          str(sum(e.block == b.index for e in self.evicts)), str(b.forward_nodes),
-                         str(b.recomputed_nodes), _span(rng)])
+                         str(b.recomputed_nodes), _span(rng), region])
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         tail = f"\nsaved for backward ({len(self.saved_boundaries)}): {', '.join(self.saved_boundaries)}\n"
+        for r in self.regions.values():
+            tail += (f"region {r.name} ({r.codegen}): blocks {_span([str(b) for b in sorted(r.blocks)])}, forward "
+                     f"{r.forward_nodes} nodes, backward {r.backward_nodes} nodes, {r.saved} saved tensors, traced in "
+                     f"{r.trace_seconds:.1f} s, compiled in {r.compile_seconds:.1f} s (once for every graph)\n")
         return head + "\n".join(lines) + tail
 
 

@@ -49,6 +49,8 @@ class HostStore:
     undo: list[Any] = dataclasses.field(default_factory=list)  # callables that reverse prepare, in order
     schedules: list[Any] = dataclasses.field(default_factory=list)  # one per graph the backend compiled
     timing: dict[str, Any] | None = None  # the last measured forward run (prefetch "auto"; runtime/depth.py)
+    codegen: str = "eager"  # how compiled regions run: "inductor" | "eager" (prepare's codegen)
+    regions: Any = None  # compiler.regions.RegionTable of the decoder layers (None: layers traced inline)
     _copy_stream: Any = dataclasses.field(default=None, repr=False)
 
     def block_bytes(self) -> list[int]:

@@ -1,0 +1,93 @@
+"""Lower regions: point every ``poros.region`` / ``poros.region_backward`` call at its compiled region.
+
+A decoder layer reached the graph as one ``poros::region`` op (``poros_fx/compiler/regions.py``).
+This pass finds the region each call belongs to, runs ``REGION_PASSES`` on the region's own graphs
+the first time (the 4-bit matmul lowering), compiles the region for the schedule's ``codegen`` once
+(``"inductor"``: fused kernels; ``"eager"``: its aten graph as is) and makes the node call that code
+directly, also where an RNG wrapper calls the op (the streamed forward and its recompute), so
+forward, recompute and the ``stream=False`` reference all run one artifact per region. Layers of one
+structure share it: compiling costs the same at 4 layers and at 80.
+
+Forward (streamed, CUDA), before / after::
+
+    run_and_save_rng_state = run_and_save_rng_state_cuda(poros.region.default, [getitem_2, cos, sin, wait, ...],
+                                                         140230, 1, call, '1011...')
+    run_and_save_rng_state = run_and_save_rng_state_cuda_region_r0_forward([getitem_2, cos, sin, wait, ...],
+                                                                           140230, 1, call, '1011...')
+
+Backward::
+
+    region_backward = poros.region_backward.default([wait_9, ..., getitem_31, getitem_40], 140230, 0)
+    region_backward = region_r0_backward([wait_9, ..., getitem_31, getitem_40], 140230, 0)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from poros_fx.compiler.regions import REGION, REGION_BACKWARD, compile_region, table_of
+from poros_fx.compiler.schedule import RegionUse, Schedule
+
+from .block_partition import BLOCK
+
+
+def _op_slot(node: fx.Node) -> int | None:
+    """Where the region op sits in ``node``: -1 (it is the target), ``i`` (``args[i]``: an RNG wrapper
+    calls it), ``None`` (not a region call)."""
+    if node.op != "call_function":
+        return None
+    if node.target in (REGION, REGION_BACKWARD):
+        return -1
+    return next((i for i, a in enumerate(node.args[:2]) if a is REGION or a is REGION_BACKWARD), None)
+
+
+def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
+    from . import REGION_PASSES  # the pipeline's list (passes/__init__.py imports this module)
+
+    for n in gm.graph.nodes:
+        slot = _op_slot(n)
+        if slot is None:
+            continue
+        op = n.target if slot < 0 else n.args[slot]
+        op_args = n.args if slot < 0 else n.args[slot + 1:]
+        table = table_of(op_args[1])
+        if op is REGION:
+            inputs, _, layer, call, grads = op_args
+            region = table.region(layer, call, grads, [_val(x) for x in inputs])
+        else:
+            region = table.regions[op_args[2]]
+        if not region.lowered:
+            for graph in (region.forward, region.backward):
+                if graph is not None:
+                    for region_pass in REGION_PASSES:
+                        region_pass(graph, schedule)
+                    graph.recompile()
+            region.lowered = True
+        compile_region(region, schedule.codegen)
+        forward, backward = region.runners(schedule.codegen)
+        runner = forward if op is REGION else backward
+        if slot < 0:
+            n.target = runner
+        else:  # the wrapper calls the runner (generated code cannot hold a function as an argument)
+            n.target, n.args = _calling(n.target, slot, runner), (*n.args[:slot], *n.args[slot + 1:])
+        use = schedule.regions.setdefault(region.name, RegionUse.of(region, schedule.codegen))
+        if op is REGION and n.meta.get(BLOCK) is not None:
+            use.blocks.add(n.meta[BLOCK])
+    return gm
+
+
+def _calling(wrapper: Callable, slot: int, runner: Callable) -> Callable:
+    """``wrapper`` (an RNG save / restore) with ``runner`` in its argument ``slot``."""
+
+    def call(*args: Any) -> Any:
+        return wrapper(*args[:slot], runner, *args[slot:])
+
+    call.__name__ = call.__qualname__ = f"{getattr(wrapper, '__name__', 'rng')}_{runner.__name__}"
+    call.poros_region = runner.poros_region  # type: ignore[attr-defined]
+    return call
+
+
+def _val(node: Any) -> Any:
+    return node.meta["val"] if isinstance(node, fx.Node) else node
