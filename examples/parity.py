@@ -3,6 +3,7 @@
     python examples/parity.py                        # tiny Qwen2 on the CPU, 20 steps, dropout 0.1, accumulation 2
     python examples/parity.py --nf4 --family llama   # QLoRA base (bitsandbytes NF4)
     python examples/parity.py --shape 0.5b --device cuda --dtype bfloat16 --nf4 --seq 512 --deterministic
+    python examples/parity.py --codegen inductor     # the layers' regions compiled by Inductor
 
 Runs: streamed (poros backend), stream=False (same graphs, base resident: the guarantee's reference)
 and the plain eager PEFT loop. Each run builds its own model from the same seeds. Exit status 1 when
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--codegen", default=None, choices=["inductor", "eager"],
+                    help="how the decoder-layer regions run (default: the device's)")
     ap.add_argument("--skip-eager", action="store_true")
     ap.add_argument("--json", help="write the result here")
     args = ap.parse_args(argv)
@@ -63,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         model = lora_model(config, dtype=dtype, nf4=args.nf4, dropout=args.dropout, device=device)
         step_model = model
         if mode != "eager":
-            poros_fx.prepare(model, device=device, block_size=args.block_size, prefetch=args.prefetch)
+            poros_fx.prepare(model, device=device, block_size=args.block_size, prefetch=args.prefetch,
+                             codegen=args.codegen)
             step_model = torch.compile(model, backend="poros", options={"stream": mode == "streamed"})
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=1)
     ap.add_argument("--prefetch", type=parse_prefetch, default="auto", help="an integer >= 0, or auto (measured)")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    ap.add_argument("--codegen", default=None, choices=["inductor", "eager"],
+                    help="how the decoder-layer regions run (default: the device's, see prepare)")
     ap.add_argument("--out", default="poros-demo-adapter", help="folder for the PEFT adapter")
     args = ap.parse_args(argv)
 
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in ("streamed", "stream=False"):
         torch._dynamo.reset()
         model = tiny_lora_model(args.family, nf4=args.nf4, layers=args.layers, dropout=0.1)
-        prepare(model, device=args.device, block_size=args.block_size, prefetch=args.prefetch)
+        prepare(model, device=args.device, block_size=args.block_size, prefetch=args.prefetch, codegen=args.codegen)
         device = next(p.device for p in model.parameters() if p.requires_grad)
         step_model = torch.compile(model, backend="poros", options={"stream": mode == "streamed"})
         start = time.perf_counter()

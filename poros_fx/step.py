@@ -59,8 +59,8 @@ class PorosStep(Generic[P, R]):
     """
 
     def __init__(self, fn: Callable[P, R], *, accumulate: int | None = None, block_size: int | None = None,
-                 prefetch: int | None = None, stream: bool = True, dump: str | None = None,
-                 device: str | torch.device | None = None) -> None:
+                 prefetch: int | str | None = None, stream: bool = True, dump: str | None = None,
+                 codegen: str | None = None, device: str | torch.device | None = None) -> None:
         if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
             raise PorosConfigError(f"accumulate must be an integer >= 1 (micro-batches per call), got {accumulate!r}")
         options: dict[str, Any] = {"stream": stream}
@@ -70,6 +70,8 @@ class PorosStep(Generic[P, R]):
             options["prefetch"] = prefetch
         if dump is not None:
             options["dump"] = dump
+        if codegen is not None:
+            options["codegen"] = codegen
         PorosOptions.from_dict(options)  # bad options raise here, at decoration, not at the first step
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -191,18 +193,19 @@ def step(fn: Callable[P, R], /) -> PorosStep[P, R]: ...
 
 
 @overload
-def step(*, accumulate: int | None = None, block_size: int | None = None, prefetch: int | None = None,
-         stream: bool = True, dump: str | None = None,
+def step(*, accumulate: int | None = None, block_size: int | None = None, prefetch: int | str | None = None,
+         stream: bool = True, dump: str | None = None, codegen: str | None = None,
          device: str | torch.device | None = None) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
 
 
 def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, block_size: int | None = None,
-         prefetch: int | None = None, stream: bool = True, dump: str | None = None,
+         prefetch: int | str | None = None, stream: bool = True, dump: str | None = None, codegen: str | None = None,
          device: str | torch.device | None = None) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
     """Decorate a training-step function so its model arguments are streamed by poros.
 
-    ``@step`` or ``@step(accumulate=N, block_size=..., prefetch=..., stream=..., dump=..., device=...)``.
-    ``block_size``, ``prefetch``, ``stream`` and ``dump`` are the backend's ``options``; ``device`` (and
+    ``@step`` or ``@step(accumulate=N, block_size=..., prefetch=..., stream=..., dump=..., codegen=...,
+    device=...)``. ``block_size``, ``prefetch``, ``stream``, ``dump`` and ``codegen`` (``"inductor"`` |
+    ``"eager"``) are the backend's ``options``; ``device`` (and
     ``block_size`` / ``prefetch``) go to ``poros_fx.prepare`` for a model that is not prepared yet.
     With ``accumulate=N`` the call takes a list of N micro-batches and returns the list of the N
     results; the function is called on each in order and the decorator does not rescale the loss.
@@ -221,7 +224,7 @@ def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, 
     """
     def decorate(f: Callable[P, R]) -> PorosStep[P, R]:
         return PorosStep(f, accumulate=accumulate, block_size=block_size, prefetch=prefetch, stream=stream,
-                         dump=dump, device=device)
+                         dump=dump, codegen=codegen, device=device)
 
     if fn is not None:
         if not callable(fn):

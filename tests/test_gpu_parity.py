@@ -33,17 +33,21 @@ def deterministic():
     torch.use_deterministic_algorithms(False)
 
 
+@pytest.mark.parametrize("codegen", ["inductor", "eager"])
 @pytest.mark.parametrize("nf4", [False, True], ids=["bf16", "nf4"])
-def test_gpu_streamed_equals_resident(nf4, deterministic):
+def test_gpu_streamed_equals_resident(nf4, codegen, deterministic):
     config = tiny_config("qwen2", layers=4, hidden=256, heads=4, kv_heads=2, vocab=1024, tie_word_embeddings=True)
     batches = [{k: v.cuda() for k, v in b.items()} for b in demo_batches(2 * 50, vocab=1024, seq=128, batch=1)]
 
     def run(stream):
         torch._dynamo.reset()
         model = lora_model(config, dtype=torch.bfloat16, nf4=nf4, dropout=0.1, device="cuda")
-        poros_fx.prepare(model, device="cuda")
+        poros_fx.prepare(model, device="cuda", codegen=codegen)
         step_model = torch.compile(model, backend="poros", options={"stream": stream})
-        return train(model, step_model, batches, accumulate=2), poros_fx.stats(model)
+        trace = train(model, step_model, batches, accumulate=2)
+        (schedule, *_) = get_store(model).schedules
+        assert schedule.codegen == codegen and schedule.regions, "the layers ran as compiled regions"
+        return trace, poros_fx.stats(model)
 
     streamed, s_stats = run(True)
     resident, r_stats = run(False)
@@ -125,14 +129,15 @@ def test_gpu_oom_names_a_schedule_that_fits():
     assert isinstance(info.value, torch.OutOfMemoryError)
 
 
+@pytest.mark.parametrize("codegen", ["inductor", "eager"])
 @pytest.mark.parametrize("nf4", [False, True], ids=["bf16", "nf4"])
-def test_gpu_parity_05b(nf4, tmp_path):
+def test_gpu_parity_05b(nf4, codegen, tmp_path):
     report = Path(os.environ.get("POROS_FX_GPU_REPORT", tmp_path))
     report.mkdir(parents=True, exist_ok=True)
-    out = report / f"parity_0.5b_{'nf4' if nf4 else 'bf16'}.json"
+    out = report / f"parity_0.5b_{'nf4' if nf4 else 'bf16'}_{codegen}.json"
     cmd = [sys.executable, str(ROOT / "examples" / "parity.py"), "--shape", "0.5b", "--device", "cuda",
            "--dtype", "bfloat16", "--seq", "256", "--batch", "1", "--steps", "50", "--accumulate", "2",
-           "--dropout", "0.1", "--deterministic", "--json", str(out), *(["--nf4"] if nf4 else [])]
+           "--dropout", "0.1", "--deterministic", "--codegen", codegen, "--json", str(out), *(["--nf4"] if nf4 else [])]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     print(done.stdout[-3000:])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -36,7 +36,7 @@ from torch import nn
 
 from ..errors import PorosConfigError, PorosError
 from ..families import Family, resolve
-from ..prepare import AUTO, check_block_options, prepare, quant_state_tensors, resolve_device, set_quant_state, unwrap
+from ..prepare import AUTO, check_block_options, check_codegen, prepare, quant_state_tensors, resolve_device, set_quant_state, unwrap
 from ..runtime.arena import HostArena, aligned, nbytes
 from .sizes import nf4_bytes
 
@@ -89,21 +89,21 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
                     lora: "peft.PeftConfig | None" = None, family: Family | None = None, *,
                     revision: str | None = None, cache_dir: str | os.PathLike | None = None, progress: bool = True,
                     available_ram: int | Callable[[], int | None] | None = None,
-                    head_chunks: int | None = None) -> nn.Module:
+                    head_chunks: int | None = None, codegen: str | None = None) -> nn.Module:
     """Load a causal LM checkpoint tensor by tensor into a prepared poros-fx model with ``lora`` attached.
 
     ``name_or_path``: a folder written by ``save_pretrained`` (``model.safetensors`` or sharded with
     ``model.safetensors.index.json``), or a hub id already in the local Hugging Face cache (never
     downloaded; ``revision``/``cache_dir`` select the snapshot). ``quantization``: ``"nf4"`` (decoder
     linears in bitsandbytes NF4, double-quantized, blocksize 64, bf16 compute; the rest bf16) or
-    ``"bf16"``. ``device``, ``block_size``, ``prefetch``, ``family``, ``head_chunks`` are
+    ``"bf16"``. ``device``, ``block_size``, ``prefetch``, ``family``, ``head_chunks``, ``codegen`` are
     ``poros_fx.prepare``'s (``head_chunks=1`` keeps a 7B+ head whole, as an eager run computes it).
     ``lora`` is required (a ``peft.LoraConfig``): poros-fx trains an adapter on a frozen base.
     ``available_ram`` overrides the reading of available host RAM (bytes, or a callable returning them).
     The model is returned in eval mode, as ``from_pretrained`` returns it; call ``model.train()`` to train.
     """
     started = time.perf_counter()
-    _check_args(quantization, lora, block_size, prefetch)
+    _check_args(quantization, lora, block_size, prefetch, codegen)
     compute = resolve_device(device)
     folder = resolve_folder(name_or_path, revision=revision, cache_dir=cache_dir)
     config = _read_config(folder)
@@ -127,14 +127,14 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
     report = LoadReport(source=str(folder), quantization=quantization, device=str(compute), tensors=len(plan),
                         bytes_read=reader.bytes_read, host_bytes=host_bytes, peak_inflight_bytes=peak,
                         seconds=0.0)
-    return _finish(model, lora, compute, block_size, prefetch, family, report, started, arena, head_chunks)
+    return _finish(model, lora, compute, block_size, prefetch, family, report, started, arena, head_chunks, codegen)
 
 
 def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", quantization: Quantization = "nf4",
                 device: str | torch.device | None = None, seed: int = 0, lora: "peft.PeftConfig | None" = None,
                 block_size: int = 1, prefetch: int | str = AUTO, family: Family | None = None, *, progress: bool = True,
                 available_ram: int | Callable[[], int | None] | None = None,
-                head_chunks: int | None = None) -> nn.Module:
+                head_chunks: int | None = None, codegen: str | None = None) -> nn.Module:
     """Like ``load_pretrained`` with random-init weights instead of a checkpoint (benchmarks, no hub).
 
     Each tensor is generated on its own from ``seed`` and its name (normal(0, ``initializer_range``) for
@@ -143,7 +143,7 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
     whatever the number of layers. ``config`` may also be a folder or cached hub id holding a config.json.
     """
     started = time.perf_counter()
-    _check_args(quantization, lora, block_size, prefetch)
+    _check_args(quantization, lora, block_size, prefetch, codegen)
     compute = resolve_device(device)
     if not _is_config(config):
         config = _read_config(resolve_folder(config))
@@ -165,7 +165,7 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
     _rebuild_buffers(model, config)
     report = LoadReport(source=source, quantization=quantization, device=str(compute), tensors=len(jobs),
                         bytes_read=0, host_bytes=host_bytes, peak_inflight_bytes=peak, seconds=0.0)
-    return _finish(model, lora, compute, block_size, prefetch, family, report, started, arena, head_chunks)
+    return _finish(model, lora, compute, block_size, prefetch, family, report, started, arena, head_chunks, codegen)
 
 
 def load_report(model: nn.Module) -> LoadReport:
@@ -395,10 +395,11 @@ def _check_quantization(quantization: Any) -> None:
         raise PorosConfigError(f"quantization must be 'nf4' or 'bf16', got {quantization!r}")
 
 
-def _check_args(quantization: Any, lora: Any, block_size: Any, prefetch: Any) -> None:
+def _check_args(quantization: Any, lora: Any, block_size: Any, prefetch: Any, codegen: Any = None) -> None:
     """Everything that can be wrong with the arguments, raised before a byte is read."""
     _check_quantization(quantization)
     check_block_options(block_size, prefetch)
+    check_codegen(codegen)
     if lora is None:
         raise PorosConfigError(
             "pass lora=peft.LoraConfig(...): poros-fx trains an adapter on a frozen base, and a model without "
@@ -664,14 +665,14 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
 
 def _finish(model: nn.Module, lora: Any, compute: torch.device, block_size: int, prefetch: int | str,
             family: Family | None, report: LoadReport, started: float, arena: HostArena,
-            head_chunks: int | None) -> nn.Module:
+            head_chunks: int | None, codegen: str | None) -> nn.Module:
     import peft
 
     model.eval()  # as from_pretrained returns it
     model = peft.get_peft_model(model, lora)
     _adapter_to(model, compute)
     prepare(model, device=compute, block_size=block_size, prefetch=prefetch, family=family, head_chunks=head_chunks,
-            _arena=arena)
+            codegen=codegen, _arena=arena)
     setattr(model, REPORT_ATTR, dataclasses.replace(report, seconds=time.perf_counter() - started))
     return model
 

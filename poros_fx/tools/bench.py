@@ -6,9 +6,11 @@
 
 Methods (``METHODS``): ``peft_resident`` (PEFT LoRA on a bitsandbytes NF4 base, eager),
 ``peft_checkpointing`` (the same + non-reentrant activation checkpointing), ``compiled_resident``
-(the same under plain ``torch.compile``/Inductor; opt-in, 0.5B/7B only), ``poros`` (streamed, one
-row per block size; the default options, so prefetch "auto"), ``poros_resident`` (``options={"stream":
-False}``) and, opt-in, ``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor
+(the same under plain ``torch.compile``/Inductor; opt-in, 0.5B/7B only), ``compiled_regional`` (each
+decoder layer under plain ``torch.compile``, resident) and ``compiled_regional_checkpointing`` (the same
+with activation checkpointing), ``poros`` (streamed, one row per block size; the default options, so
+prefetch "auto" and the device's codegen), ``poros_eager`` / ``poros_inductor`` (each codegen by name),
+``poros_resident`` (``options={"stream": False}``) and, opt-in, ``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor
 instead of per block) and ``poros_prefetch1`` (``options={"prefetch": 1}``: the fixed depth that was the
 default before "auto"). Models: random-init
 Qwen2.5 shapes (0.5b/7b/32b/72b), or ``tiny`` (a 2-layer qwen2 config, for CPU runs). Recipe: LoRA
@@ -121,6 +123,38 @@ def _compiled_resident(model: nn.Module, block_size: int | None) -> Runner:
     return Runner(torch.compile(model))
 
 
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    from ..families import resolve
+    from ..prepare import causal_lm
+
+    lm = causal_lm(model)
+    return lm.get_submodule(resolve(lm.config.model_type).layers)
+
+
+def _regional(checkpointing: bool) -> Callable[[nn.Module, int | None], Runner]:
+    """Resident PEFT with each decoder layer under plain ``torch.compile`` (Inductor): PyTorch's
+    "regional compilation" recipe, one compile for every layer of the same structure; optionally with
+    transformers' activation checkpointing (each layer's compiled forward rerun in the backward)."""
+
+    def setup(model: nn.Module, block_size: int | None) -> Runner:
+        layers = _decoder_layers(model)
+        for layer in layers:
+            layer.compile()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()
+
+        def teardown() -> None:
+            for layer in layers:
+                layer._compiled_call_impl = None
+            if checkpointing:
+                model.gradient_checkpointing_disable()
+
+        return Runner(model, teardown=teardown)
+
+    return setup
+
+
 def _poros_teardown(model: nn.Module) -> Callable[[], None]:
     from ..prepare import get_store
 
@@ -144,6 +178,8 @@ def _poros_with(**options: Any) -> Callable[[nn.Module, int | None], Runner]:
 
 
 _poros = _poros_with()
+_poros_eager = _poros_with(codegen="eager")
+_poros_inductor = _poros_with(codegen="inductor")
 _poros_tensor_copies = _poros_with(group_copies=False)
 _poros_prefetch1 = _poros_with(prefetch=1)
 
@@ -157,7 +193,14 @@ METHODS: Mapping[str, Method] = types.MappingProxyType({
     "peft_checkpointing": Method("peft_checkpointing", "resident", _peft_checkpointing),
     "compiled_resident": Method("compiled_resident", "resident", _compiled_resident, compiled=True,
                                 models=COMPILED_RESIDENT_MODELS),
+    "compiled_regional": Method("compiled_regional", "resident", _regional(False), compiled=True),
+    "compiled_regional_checkpointing": Method("compiled_regional_checkpointing", "resident", _regional(True),
+                                              compiled=True),
     "poros": Method("poros", "prepared", _poros, compiled=True, streams=True, per_block_size=True),
+    # each codegen by name (poros runs the device's default one)
+    "poros_eager": Method("poros_eager", "prepared", _poros_eager, compiled=True, streams=True, per_block_size=True),
+    "poros_inductor": Method("poros_inductor", "prepared", _poros_inductor, compiled=True, streams=True,
+                             per_block_size=True),
     "poros_resident": Method("poros_resident", "prepared", _poros_resident, compiled=True, streams=True),
     # a fixed prefetch depth of 1 against the default "auto" (opt-in, for A/B runs)
     "poros_prefetch1": Method("poros_prefetch1", "prepared", _poros_prefetch1, compiled=True, streams=True,
@@ -439,7 +482,13 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
         if method.streams:
             stats(model, reset=True)
         allocator_before = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
-        times = [step() for _ in range(config.steps)]
+        objects = len(gc.get_objects())
+        with GcTimer() as collector:
+            times = [step() for _ in range(config.steps)]
+        # Python's garbage collector inside the timed steps: a host-bound step pays for every object the
+        # process holds (a process that compiled other methods before holds millions)
+        row["gc"] = {"s_per_step": round(collector.seconds / len(times), 5), "collections": collector.collections,
+                     "python_objects": objects}
         if device.type == "cuda":  # the caching allocator in the timed steps: 0 device allocations once warm
             allocator = torch.cuda.memory_stats(device)
             row["allocator"] = {
@@ -474,6 +523,29 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
         runner = optimizer = batches = None  # the step closure's cells: frees the optimizer state and batches
         _free(device)
     return row
+
+
+class GcTimer:
+    """Time spent in Python's garbage collector while the context is open, and collections per generation."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+            self.collections[info["generation"]] += 1
+
+    def __enter__(self) -> "GcTimer":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def _sig(x: float, digits: int = 4) -> float:

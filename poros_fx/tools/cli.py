@@ -41,6 +41,17 @@ def _prefetch(value: str) -> int | str:
         raise typer.BadParameter(str(e))
 
 
+def _codegen(value: Optional[str]) -> Optional[str]:
+    if value is not None and value not in ("inductor", "eager"):
+        raise typer.BadParameter(f"--codegen must be inductor or eager, got {value!r}")
+    return value
+
+
+CODEGEN_OPTION = typer.Option(None, callback=_codegen, help="how decoder-layer regions run: inductor (fused kernels) "
+                              "or eager (aten calls, equal to the eager loop); default: the device's (see "
+                              "docs/exactness.md)")
+
+
 PREFETCH_OPTION = typer.Option("auto", callback=_prefetch, help="blocks loaded ahead of the one computing: an "
                                "integer >= 0, or auto (one in the forward; the backward's depth measured in the "
                                "first forward)")
@@ -157,6 +168,7 @@ def dump(model_or_config: str = typer.Argument(..., help="built-in shape, config
          layers: int = typer.Option(2, min=1, help="decoder layers to build (real widths, random init)"),
          seq: int = typer.Option(64, min=1), nf4: bool = typer.Option(False, help="quantize the base to NF4"),
          block_size: int = typer.Option(1, min=1), prefetch: str = PREFETCH_OPTION,
+         codegen: Optional[str] = CODEGEN_OPTION,
          device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when present)")) -> None:
     """Compile one training step and write its dumps, without training (random weights, LAYERS layers)."""
     import torch
@@ -169,7 +181,7 @@ def dump(model_or_config: str = typer.Argument(..., help="built-in shape, config
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     with console.status(f"building {config.model_type} with {layers} layers on {dev}"):
         model = lora_model(config, dtype=torch.bfloat16, nf4=nf4, dropout=0.1, device=dev)
-        prepare(model, device=dev, block_size=block_size, prefetch=prefetch)
+        prepare(model, device=dev, block_size=block_size, prefetch=prefetch, codegen=codegen)
     batch = {k: v.to(dev) for k, v in demo_batches(1, vocab=config.vocab_size, seq=seq, batch=1)[0].items()}
     with console.status("compiling and running one step"):
         step = torch.compile(model, backend="poros", options={"dump": str(out)})
@@ -232,6 +244,7 @@ def train(model: Optional[str] = typer.Argument(None, help="model folder (save_p
           batch_size: int = typer.Option(1, min=1, help="rows per micro-batch"),
           accumulate: int = typer.Option(1, min=1, help="micro-batches per optimizer step"),
           block_size: int = typer.Option(1, min=1), prefetch: str = PREFETCH_OPTION,
+          codegen: Optional[str] = CODEGEN_OPTION,
           device: Optional[str] = typer.Option(None, help="cpu or cuda (default: cuda when present)"),
           seed: int = typer.Option(0, help="seeds the LoRA init, dropout, data order (and --from-config weights)"),
           log_every: Optional[int] = typer.Option(None, min=1, help="steps between log lines when not on a terminal "
@@ -279,7 +292,7 @@ def train(model: Optional[str] = typer.Argument(None, help="model folder (save_p
         targets = _targets(target_modules, config.model_type)
         lora = peft.LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets)
         common = {"quantization": quantization, "device": device, "block_size": block_size, "prefetch": prefetch,
-                  "lora": lora}
+                  "lora": lora, "codegen": codegen}
         if model is not None:
             peft_model = load_pretrained(folder, **common)
         else:

@@ -1,0 +1,211 @@
+"""Regions: each decoder layer is one compiled region, traced once per structure and run by forward,
+recompute and the ``stream=False`` reference alike (``poros_fx/compiler/regions.py``,
+``passes/lower_regions.py``). Exactness with both codegens, and tests that break the construction on
+purpose (a recompute compiled apart, a recompute without the forward's generator state) and must see
+the difference."""
+
+import warnings
+
+import pytest
+import torch
+import torch.fx as fx
+
+import poros_fx
+from poros_fx.compiler import backend as backend_module
+from poros_fx.compiler import regions
+from poros_fx.passes.rng import PHASE
+from poros_fx.prepare import get_store
+from poros_fx.runtime import rng as rng_impl
+from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
+from poros_fx.tools.tiny import demo_batches, tiny_config, tiny_lora_model
+
+ZERO = {s: 0.0 for s in SURFACES}
+
+
+def pair(layers=3, codegen="eager", family="qwen2", batches=None, nf4=False, dropout=0.1, accumulate=2, **config):
+    """(streamed, stream=False, the streamed model) of one recipe on two fresh copies."""
+    batches = batches or demo_batches(4, seq=16)
+    out = []
+    for stream in (True, False):
+        torch._dynamo.reset()
+        model = tiny_lora_model(family, layers=layers, nf4=nf4, dropout=dropout, **config)
+        poros_fx.prepare(model, device="cpu", codegen=codegen)
+        out.append(train(model, torch.compile(model, backend="poros", options={"stream": stream}), batches,
+                         accumulate=accumulate))
+        out.append(model)
+    return out[0], out[2], out[1]
+
+
+def test_layers_of_one_structure_share_a_region():
+    """Layer 0 (its input needs no gradient) is one region, layers 1.. another, at any depth; the step's
+    graph calls one region per layer."""
+    for layers in (3, 6):
+        torch._dynamo.reset()
+        model = tiny_lora_model("qwen2", layers=layers)
+        poros_fx.prepare(model, device="cpu")
+        torch.compile(model, backend="poros")(**demo_batches(1)[0], use_cache=False).loss.backward()
+        store = get_store(model)
+        assert len(store.regions.regions) == 2
+        assert store.regions.regions[0].layers == [0] and store.regions.regions[1].layers == list(range(1, layers))
+        (schedule,) = store.schedules
+        calls = [regions.called_region(n) for n in schedule.graphs["forward"].graph.nodes]
+        assert sum(c is not None for c in calls) == layers
+        assert {u.name for u in schedule.regions.values()} == {"r0", "r1"}
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma3_text", "phi3"])
+def test_equal_fingerprints_trace_equal_graphs(family):
+    """The fingerprint that lets layers share a region: each layer traced on its own, layers with equal
+    fingerprints give the same graphs and layers with different ones do not (Gemma 3's sliding and
+    full attention layers)."""
+    model = tiny_lora_model(family, layers=4)
+    poros_fx.prepare(model, device="cpu")
+    table = get_store(model).regions
+    calls = {}
+    hooks = [layer.register_forward_pre_hook(lambda mod, args, kwargs, i=i: calls.setdefault(i, (args, kwargs)),
+                                             with_kwargs=True) for i, layer in enumerate(table.layers)]
+    model(**demo_batches(1, seq=16)[0], use_cache=False)  # the calls the model makes, from a plain forward
+    for h in hooks:
+        h.remove()
+    codes = []
+    for index, layer in enumerate(table.layers):
+        tensors, call = regions.flatten_call(*calls[index])
+        state = {**dict(layer.named_parameters()), **dict(layer.named_buffers())}
+        own = [state[n] for n in regions.state_names(layer)]
+        grads = "".join("1" if t.requires_grad else "0" for t in [*tensors, *own])
+        region = regions.trace_region(layer, call, grads, [regions.meta_of(t) for t in [*tensors, *own]], index)
+        codes.append(region.forward.code + region.backward.code)
+    fingerprints = [regions.fingerprint(layer) for layer in table.layers]
+    for i in range(1, 4):
+        for j in range(1, 4):
+            assert (fingerprints[i] == fingerprints[j]) == (codes[i] == codes[j]), (family, i, j)
+    if family == "gemma3_text":
+        assert fingerprints[1] != fingerprints[2]  # full and sliding attention
+
+
+@pytest.mark.parametrize("codegen", ["eager", "inductor"])
+def test_streamed_equals_stream_false(codegen):
+    streamed, resident, model = pair(codegen=codegen)
+    assert compare(streamed, resident) == ZERO, format_diffs(f"streamed vs stream=False ({codegen})",
+                                                              compare(streamed, resident))
+    (schedule,) = get_store(model).schedules
+    assert schedule.codegen == codegen and {u.codegen for u in schedule.regions.values()} == {codegen}
+
+
+def test_eager_codegen_equals_the_eager_loop():
+    batches = demo_batches(4, seq=16)
+    streamed, _, _ = pair(batches=batches)
+    eager = tiny_lora_model("qwen2", layers=3, dropout=0.1)
+    assert compare(streamed, train(eager, eager, batches, accumulate=2)) == ZERO
+
+
+def _backward_pass(change):
+    """A pass appended to the pipeline that applies ``change`` to every recompute of a region in the
+    backward graph (a node calling a region's forward there)."""
+
+    def tamper(gm: fx.GraphModule, schedule) -> fx.GraphModule:
+        if gm.meta.get(PHASE) == "backward":
+            for n in gm.graph.nodes:
+                found = regions.called_region(n)
+                if found is not None and found[1] == "forward":
+                    change(n, found[0])
+        return gm
+
+    return tamper
+
+
+def test_a_recompute_compiled_apart_is_caught(monkeypatch):
+    """The construction under test: the recompute runs the artifact the forward ran. Here the forward
+    runs the Inductor-compiled region and the recompute the same region's aten graph (other roundings,
+    and Inductor's own random numbers): the parity check must see it."""
+
+    def recompute_with_aten(node: fx.Node, region: regions.Region) -> None:
+        regions.compile_region(region, "eager")
+        wrapper = rng_impl.run_with_rng_state_cpu
+        runner = region.runners("eager")[0]
+        node.target = lambda state, *args: wrapper(state, runner, *args)
+
+    monkeypatch.setattr(backend_module, "GRAPH_PASSES", (*backend_module.GRAPH_PASSES, _backward_pass(recompute_with_aten)))
+    streamed, resident, _ = pair(codegen="inductor", dropout=0.0)
+    diffs = compare(streamed, resident)
+    assert diffs["grad_norms"] > 0 and diffs["weights"] > 0, format_diffs("recompute compiled apart", diffs)
+
+
+def test_a_recompute_without_the_generator_state_is_caught(monkeypatch):
+    """The recompute must draw the forward's dropout masks: run it on the generator as it is instead of
+    the state the forward saved, and the parity check sees other masks."""
+
+    def fresh_randomness(node: fx.Node, region: regions.Region) -> None:
+        runner = node.target
+        node.target = lambda state, *args: runner(torch.get_rng_state(), *args)
+
+    monkeypatch.setattr(backend_module, "GRAPH_PASSES", (*backend_module.GRAPH_PASSES, _backward_pass(fresh_randomness)))
+    for codegen in ("eager", "inductor"):
+        streamed, resident, _ = pair(codegen=codegen, dropout=0.1)
+        diffs = compare(streamed, resident)
+        assert diffs["grad_norms"] > 0, (codegen, format_diffs("fresh masks in the recompute", diffs))
+
+
+def test_inference_runs_the_forward_region():
+    model = tiny_lora_model("qwen2", layers=2)
+    reference = tiny_lora_model("qwen2", layers=2)
+    model.eval()
+    reference.eval()
+    poros_fx.prepare(model, device="cpu")
+    batch = demo_batches(1, seq=16)[0]
+    with torch.no_grad():
+        out = torch.compile(model, backend="poros")(**batch, use_cache=False)
+        expected = reference(**batch, use_cache=False)
+    assert torch.equal(out.logits, expected.logits) and torch.equal(out.loss, expected.loss)
+    (region,) = {r.index: r for r in get_store(model).regions.regions}.values()
+    assert region.backward is None and region.layers == [0, 1]
+
+
+def test_varying_lengths_get_a_graph_each():
+    """A new sequence length recompiles; each length's regions are traced for its shapes, and streamed
+    equals stream=False across them."""
+    lengths = [16, 24, 16, 32, 24]
+    batches = [demo_batches(1, seq=s, seed=i)[0] for i, s in enumerate(lengths)]
+    streamed, resident, model = pair(layers=2, batches=batches, accumulate=1)
+    assert compare(streamed, resident) == ZERO
+    store = get_store(model)
+    assert len(store.schedules) == 3 and len(store.regions.regions) == 2 * 3
+
+
+def test_a_cache_object_runs_the_layers_inline():
+    """A layer called with a KV cache object cannot be a region: the layers are traced into the graph,
+    with a warning that says why, and the step is still exact."""
+    model = tiny_lora_model("qwen2", layers=2)
+    reference = tiny_lora_model("qwen2", layers=2)
+    poros_fx.prepare(model, device="cpu")
+    batch = demo_batches(1, seq=16)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        out = torch.compile(model, backend="poros")(**batch, use_cache=True)  # the model makes a DynamicCache
+    assert any("KV cache object" in str(w.message) for w in caught)
+    torch.manual_seed(0)
+    expected = reference(**batch, use_cache=True)
+    assert torch.equal(out.loss, expected.loss)
+    assert not get_store(model).regions.regions
+
+
+def test_dump_writes_each_region(tmp_path):
+    model = tiny_lora_model("qwen2", layers=2)
+    poros_fx.prepare(model, device="cpu")
+    torch.compile(model, backend="poros", options={"dump": str(tmp_path)})(**demo_batches(1)[0],
+                                                                            use_cache=False).loss.backward()
+    folder = next(tmp_path.iterdir())
+    names = sorted(p.name for p in (folder / "regions").iterdir())
+    assert names == [f"r{i}_{g}.py" for i in (0, 1) for g in ("backward", "forward", "joint")]
+    assert "region r1 (eager): blocks 2" in (folder / "schedule.txt").read_text()
+
+
+def test_unprepare_restores_the_layer_classes():
+    model = tiny_lora_model("qwen2", layers=2)
+    classes = [type(m) for m in model.modules()]
+    poros_fx.prepare(model, device="cpu")
+    assert all(hasattr(type(layer), "_poros_layer_class") for layer in get_store(model).regions.layers)
+    poros_fx.unprepare(model)
+    assert [type(m) for m in model.modules()] == classes
+    assert not any(k.startswith("_poros") for m in model.modules() for k in vars(m))
