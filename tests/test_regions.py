@@ -37,20 +37,20 @@ def pair(layers=3, codegen="eager", family="qwen2", batches=None, nf4=False, dro
 
 
 def test_layers_of_one_structure_share_a_region():
-    """Layer 0 (its input needs no gradient) is one region, layers 1.. another, at any depth; the step's
-    graph calls one region per layer."""
+    """Every layer runs one region (layer 0 too: its input gradient is computed and dropped), at any
+    depth; the step's graph calls it once per layer."""
     for layers in (3, 6):
         torch._dynamo.reset()
         model = tiny_lora_model("qwen2", layers=layers)
         poros_fx.prepare(model, device="cpu")
         torch.compile(model, backend="poros")(**demo_batches(1)[0], use_cache=False).loss.backward()
         store = get_store(model)
-        assert len(store.regions.regions) == 2
-        assert store.regions.regions[0].layers == [0] and store.regions.regions[1].layers == list(range(1, layers))
+        (region,) = store.regions.regions
+        assert region.layers == list(range(layers))
         (schedule,) = store.schedules
         calls = [regions.called_region(n) for n in schedule.graphs["forward"].graph.nodes]
         assert sum(c is not None for c in calls) == layers
-        assert {u.name for u in schedule.regions.values()} == {"r0", "r1"}
+        assert {u.name for u in schedule.regions.values()} == {"r0"}
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama", "gemma3_text", "phi3"])
@@ -169,7 +169,7 @@ def test_varying_lengths_get_a_graph_each():
     streamed, resident, model = pair(layers=2, batches=batches, accumulate=1)
     assert compare(streamed, resident) == ZERO
     store = get_store(model)
-    assert len(store.schedules) == 3 and len(store.regions.regions) == 2 * 3
+    assert len(store.schedules) == 3 and len(store.regions.regions) == 3
 
 
 def test_a_cache_object_runs_the_layers_inline():
@@ -197,8 +197,8 @@ def test_dump_writes_each_region(tmp_path):
                                                                             use_cache=False).loss.backward()
     folder = next(tmp_path.iterdir())
     names = sorted(p.name for p in (folder / "regions").iterdir())
-    assert names == [f"r{i}_{g}.py" for i in (0, 1) for g in ("backward", "forward", "joint")]
-    assert "region r1 (eager): blocks 2" in (folder / "schedule.txt").read_text()
+    assert names == [f"r0_{g}.py" for g in ("backward", "forward", "joint")]
+    assert "region r0 (eager): blocks 1..2 (2)" in (folder / "schedule.txt").read_text()
 
 
 def test_unprepare_restores_the_layer_classes():

@@ -538,6 +538,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
     ctx.save_for_backward(*(tensors[i] for i in region.saved_inputs), *saved)
     ctx.region = (table, region.index)
     ctx.num_inputs = len(tensors)
+    ctx.wanted = [t.requires_grad for t in tensors]
 
 
 def _backward(ctx: Any, grad_outputs: list[torch.Tensor | None]) -> tuple:
@@ -562,7 +563,8 @@ def _backward(ctx: Any, grad_outputs: list[torch.Tensor | None]) -> tuple:
     grads = REGION_BACKWARD(args, table, index)
     out: list[torch.Tensor | None] = [None] * ctx.num_inputs
     for i, g in zip(region.grad_inputs, grads):
-        out[i] = g
+        if ctx.wanted[i]:  # not the first layer's input gradient, computed only to share the region
+            out[i] = g
     return out, None, None, None, None
 
 
@@ -594,4 +596,8 @@ def call_region(layer: nn.Module, activations: list[torch.Tensor], call: str) ->
         tensors.append(LOAD(t, device) if name in hosts else t)
     grad = torch.is_grad_enabled()
     grads = "".join(["1" if grad and t.requires_grad else "0" for t in tensors])
+    # the first layer's hidden states come from a frozen embedding and need no gradient; asking for one
+    # anyway (autograd drops it) gives it the same region as every later layer: one compile, not two
+    if grad and "1" in grads and activations and activations[0].is_floating_point():
+        grads = "1" + grads[1:]
     return REGION(tensors, layer._poros_table, layer._poros_layer, call, grads)[0]
