@@ -241,15 +241,17 @@ def check_codegen(codegen: Any) -> str | None:
 
 
 def default_codegen(device: torch.device) -> str:
-    """The codegen a prepared model's regions get unless asked otherwise: ``"eager"`` everywhere for now
-    (Inductor is opt-in until its GPU parity tests have passed on the current code)."""
-    return "eager"
+    """The codegen a prepared model's regions get unless asked otherwise: ``"inductor"`` on CUDA (fused
+    kernels; streamed == ``stream=False`` bit for bit, tested on the H200), ``"eager"`` on the CPU (aten
+    calls, also bit-equal to the plain eager loop, and no C++ compile for a CPU run)."""
+    return "inductor" if device.type == "cuda" else "eager"
 
 
 def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
     """Each decoder layer gets a class whose forward is one ``poros::region`` call under torch.compile
     (``compiler/regions.py``), and the store a table of the regions traced from them."""
     from .compiler.regions import RegionTable, layer_forward
+    from .compiler.regions import state as regions_state
 
     store.regions = RegionTable(list(layers))
     hosts = {id(e.host) for e in store.entries.values()}
@@ -264,15 +266,48 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
         layer._poros_table = store.regions.handle
         layer._poros_layer = index
         layer._poros_device = store.device
-        layer._poros_host_names = frozenset(n for n, t in (*layer.named_parameters(), *layer.named_buffers())
-                                            if id(t) in hosts)
+        # plain lists: Dynamo reads them far faster than named_parameters() (compiler/regions.py)
+        tensors = [t for _, t in regions_state(layer)]
+        layer._poros_own = [t for t in tensors if id(t) not in hosts]
+        layer._poros_hosts = [t for t in tensors if id(t) in hosts]
+        own, host = iter(range(len(tensors))), iter(range(len(tensors)))
+        layer._poros_layout = tuple(("host", next(host)) if id(t) in hosts else ("own", next(own)) for t in tensors)
+        block = _host_block(store, layer._poros_hosts)
+        layer._poros_block = block
+        layer._poros_block_views = None if block is None else tuple(
+            (t.data_ptr() - block.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) for t in layer._poros_hosts)
+        if block is not None:
+            name = f"{store.family.layers}.{index} (its {len(layer._poros_hosts)} host tensors, side by side)"
+            _add_entry(store, name, block, store.device, (1 + index // store.block_size,),
+                       members=tuple(layer._poros_hosts))
 
         def undo(layer=layer, before=before):
             layer.__class__ = before
-            for attr in ("_poros_table", "_poros_layer", "_poros_host_names", "_poros_device"):
+            block = layer.__dict__.get("_poros_block")
+            if block is not None:
+                block.__dict__.pop(ENTRY_ATTR, None)
+            for attr in ("_poros_table", "_poros_layer", "_poros_own", "_poros_hosts", "_poros_layout", "_poros_block",
+                         "_poros_block_views", "_poros_device"):
                 layer.__dict__.pop(attr, None)
 
         store.undo.append(undo)
+
+
+def _host_block(store: HostStore, hosts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One uint8 tensor over the arena bytes of ``hosts`` (a decoder layer's host tensors) when they lie
+    side by side there, with nothing else between them (prepare places a layer's tensors one after the
+    other; the loader's checkpoint order may not); else ``None``."""
+    if not hosts or any(not store.arena.holds(h) or not h.is_contiguous() for h in hosts):
+        return None
+    start = min(h.data_ptr() for h in hosts)
+    end = max(h.data_ptr() + h.numel() * h.element_size() for h in hosts)
+    mine = {id(h) for h in hosts}
+    for entry in store.entries.values():
+        ptr = entry.host.data_ptr()
+        if id(entry.host) not in mine and not entry.spans and start <= ptr < end:
+            return None
+    storage = hosts[0].untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, start - storage.data_ptr(), (end - start,))
 
 
 def unprepare(model: nn.Module) -> nn.Module:
@@ -390,8 +425,9 @@ def _move_linear4bit(store: HostStore, mod_name: str, module: nn.Module, reader_
     store.undo.append(undo)
 
 
-def _add_entry(store: HostStore, name: str, host: torch.Tensor, origin: torch.device, blocks: tuple[int, ...]) -> None:
-    entry = HostEntry(name=name, host=host, origin_device=origin, blocks=blocks, store=store)
+def _add_entry(store: HostStore, name: str, host: torch.Tensor, origin: torch.device, blocks: tuple[int, ...],
+               members: tuple[torch.Tensor, ...] = ()) -> None:
+    entry = HostEntry(name=name, host=host, origin_device=origin, blocks=blocks, store=store, members=members)
     store.entries[id(host)] = entry
     setattr(host, ENTRY_ATTR, entry)
 

@@ -21,7 +21,9 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     ``forward_runs``, ``backward_runs``, ``host_bytes`` (the base's bytes in the host store),
     ``pinned_host_bytes`` (page-locked bytes the store holds: its arena, within 512 bytes per tensor of
     ``host_bytes``; 0 on a CPU compute device), ``head_chunks`` (row chunks the lm_head is loaded in),
-    ``pinned``, ``block_size``, ``prefetch``, ``device``.
+    ``pinned``, ``block_size``, ``prefetch``, ``device``, ``codegen`` (prepare's: how regions run unless
+    ``options`` say otherwise), ``regions`` (per traced decoder-layer region: its name, the layers
+    that run it, and its trace and compile seconds per codegen; empty with ``regions=False``).
     """
     store = get_store(model)
     if store is None:
@@ -32,7 +34,10 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     out.update(block_bytes=store.block_bytes(), block_names=list(store.block_names), host_bytes=store.host_bytes(),
                pinned=store.pinned(), pinned_host_bytes=store.pinned_bytes(),
                head_chunks=store.head_chunks, block_size=store.block_size, prefetch=store.prefetch,
-               device=str(store.device))
+               device=str(store.device), codegen=store.codegen,
+               regions=[{"name": r.name, "layers": list(r.layers), "trace_s": round(r.trace_seconds, 3),
+                         "compile_s": {k: round(v, 3) for k, v in r.compile_seconds.items()}}
+                        for r in (store.regions.regions if store.regions is not None else [])])
     if reset:
         ledger.reset()
     return out

@@ -351,7 +351,7 @@ def _store_numbers(model) -> dict[str, Any]:
     if store is None:
         return {}
     out: dict[str, Any] = {"entries": len(store.entries),
-                           "base_bytes": sum(e.host.numel() * e.host.element_size() for e in store.entries.values())}
+                           "base_bytes": sum(e.host.numel() * e.host.element_size() for e in store.tensors())}
     try:
         out["store_host_bytes"] = int(store.host_bytes())
     except Exception as e:  # noqa: BLE001 - reported, not fatal

@@ -20,14 +20,14 @@ def test_every_base_tensor_is_a_view_of_one_exact_size_arena(nf4):
     arena = store.arena
     start, end = arena.buffer.data_ptr(), arena.buffer.data_ptr() + arena.capacity
     spans = []
-    for entry in store.entries.values():
+    for entry in store.tensors():
         assert start <= entry.host.data_ptr() and entry.host.data_ptr() + entry.nbytes <= end, entry.name
         assert entry.host.data_ptr() % ALIGN == 0
         spans.append((entry.host.data_ptr(), entry.host.data_ptr() + entry.nbytes))
     spans.sort()
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "no two tensors overlap"
     # exact size: the base's bytes, plus at most the alignment padding of each tensor
-    assert arena.used == arena.capacity == sum(aligned(e.nbytes) for e in store.entries.values())
+    assert arena.used == arena.capacity == sum(aligned(e.nbytes) for e in store.tensors())
     assert store.host_bytes() <= arena.capacity < store.host_bytes() + ALIGN * len(store.entries)
     s = poros_fx.stats(model)
     assert s["pinned_host_bytes"] == 0 and not s["pinned"]  # a CPU compute device pins nothing
@@ -128,7 +128,7 @@ def test_a_block_is_one_copy_and_the_group_views_keep_host_alignment():
     model = tiny_lora_model("qwen2", layers=2, nf4=True)
     poros_fx.prepare(model, device="cpu")
     store = get_store(model)
-    hosts = [e.host for e in store.entries.values() if e.blocks == (1,)]
+    hosts = [e.host for e in store.tensors() if e.blocks == (1,)]
     runtime = GraphRuntime(store, stream=True, phase="forward")
     out = runtime.load_group(hosts, torch.device("cpu"), 1)
     assert store.ledger.copies == 1  # the arena keeps a block's tensors side by side
@@ -162,7 +162,8 @@ def test_per_tensor_copies_train_exactly_like_block_copies():
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = tiny_lora_model("qwen2", layers=2, nf4=True, dtype=torch.bfloat16)
-        poros_fx.prepare(model, device="cpu")
+        # layers inline: every host tensor is a load of its own (a region loads its layer's block whole)
+        poros_fx.prepare(model, device="cpu", regions=False)
         compiled = torch.compile(model, backend="poros", options={"group_copies": group_copies})
         runs[group_copies] = train(model, compiled, batches, accumulate=2)
         s = poros_fx.stats(model)
@@ -170,3 +171,21 @@ def test_per_tensor_copies_train_exactly_like_block_copies():
     diffs = compare(runs[True], runs[False])
     assert diffs == {k: 0.0 for k in SURFACES}, format_diffs("block copies vs tensor copies", diffs)
     assert counts[False][0] == counts[False][1] == counts[True][0] > 10 * counts[True][1]
+
+
+def test_a_region_loads_its_layer_as_one_block():
+    """With regions, a decoder layer's host tensors (NF4 weights and quant state, norms: 37 of them) are
+    one load of the arena range that holds them side by side, and the region sees each as a view."""
+    from poros_fx.tools.tiny import demo_batches
+
+    model = tiny_lora_model("qwen2", layers=2, nf4=True)
+    poros_fx.prepare(model, device="cpu")
+    store = get_store(model)
+    blocks = [e for e in store.entries.values() if e.spans]
+    assert [e.blocks for e in blocks] == [(1,), (2,)]
+    layer_bytes = sum(e.nbytes for e in store.tensors() if e.blocks == (1,))
+    assert layer_bytes <= blocks[0].nbytes <= layer_bytes + 512 * 37  # the tensors and their alignment gaps
+    torch.compile(model, backend="poros")(**demo_batches(1)[0], use_cache=False).loss.backward()
+    s = poros_fx.stats(model)
+    assert s["loads"] == 2 * 2 + 2 * 2  # each layer's block, forward and recompute; the head's norm and weight too
+    assert s["host_bytes"] == sum(e.nbytes for e in store.tensors())  # blocks are not counted twice

@@ -55,12 +55,15 @@ def test_stream_false_keeps_base_resident():
     step_model = torch.compile(model, backend="poros", options={"stream": False})
     step(model, step_model, demo_batches(2))
     s = poros_fx.stats(model)
-    entries = poros_fx.prepare.__globals__["get_store"](model).entries.values()
+    entries = poros_fx.prepare.__globals__["get_store"](model).tensors()
     gathered = [e for e in entries if not e.blocks]  # the embedding table: rows are gathered, never loaded
     assert [e.name for e in gathered] == ["model.embed_tokens.weight"]
-    assert s["peak_resident_base_bytes"] == s["resident_base_bytes"] == s["host_bytes"] - gathered[0].nbytes
+    # everything but the gathered table, once: each layer as its block (its tensors and the alignment gaps
+    # between them), the head's tensors one by one
+    assert s["peak_resident_base_bytes"] == s["resident_base_bytes"] == sum(s["block_bytes"])
+    assert s["host_bytes"] - gathered[0].nbytes <= sum(s["block_bytes"]) <= s["host_bytes"] + 2 * 37 * 512
     assert s["recomputed_blocks"] == 0 and s["evictions"] == 0
-    assert s["loads"] == len(entries) - 1  # each loaded tensor once
+    assert s["loads"] == 2 + 2  # two layer blocks, the head's norm and weight
 
 
 @pytest.mark.parametrize("regions", [True, False], ids=["regions", "inline"])

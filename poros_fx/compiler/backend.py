@@ -111,7 +111,9 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
     primals = (f"primals_{i}" for i in itertools.count(1))
     schedule.host_inputs = {name: getattr(t, ENTRY_ATTR) for name, t in zip(primals, example_inputs)
                             if isinstance(t, torch.Tensor) and getattr(t, ENTRY_ATTR, None) is not None}
-    moved = [e.name for e in schedule.host_inputs.values() if e.host.device.type != "cpu"]
+    # every tensor of the store, not just this graph's inputs (a layer's block stays in the arena when
+    # its tensors are moved)
+    moved = [e.name for e in store.tensors() if e.host.device.type != "cpu"] if store is not None else []
     if moved:
         raise PorosConfigError(store.moved_message(moved))
 

@@ -126,17 +126,21 @@ def rebuild_call(call: str, tensors: Sequence[Any]) -> tuple[tuple, dict]:
 
 # -- what makes two layers one region --------------------------------------------------------------------
 
-_SKIP_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "_poros_layer",
+_SKIP_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "_poros_layer", "_poros_own", "_poros_hosts",
+                         "_poros_block",
                          # the layer's index: read only to index a KV cache, which a region never gets
                          "layer_idx"})
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 _LAYER_PATH = re.compile(r"(\.)\d+(\.|$)")  # "model.layers.3.self_attn" -> "model.layers.#.self_attn"
 
 
-def _plain(value: Any, memo: dict[int, Any], depth: int = 0) -> Any:
+def _plain(value: Any, memo: dict[int, Any], objects: dict[int, tuple[Any, Any]], depth: int = 0) -> Any:
     """A hashable description of an attribute value: plain values as they are, containers and
     objects by their plain contents (a few levels deep), tensors by shape and dtype. A module path
-    names its layer by index (PEFT keeps ``target_name``): the index is left out."""
+    names its layer by index (PEFT keeps ``target_name``): the index is left out. An object that is
+    not a container (a model config, a bitsandbytes quant state) is described once and the
+    description kept in ``objects``: walking a config's hundred fields for every layer at every
+    lookup cost seconds of a deep model's compile."""
     if isinstance(value, str):
         return _LAYER_PATH.sub(r"\1#\2", value)
     if isinstance(value, _PLAIN):
@@ -149,34 +153,40 @@ def _plain(value: Any, memo: dict[int, Any], depth: int = 0) -> Any:
     if depth >= 3:
         out: Any = ("deep", type(value).__qualname__)
     elif isinstance(value, (tuple, list)):
-        out = (type(value).__name__, tuple(_plain(v, memo, depth + 1) for v in value))
+        out = (type(value).__name__, tuple(_plain(v, memo, objects, depth + 1) for v in value))
     elif isinstance(value, (set, frozenset)):
-        out = ("set", tuple(sorted(repr(_plain(v, memo, depth + 1)) for v in value)))
+        out = ("set", tuple(sorted(repr(_plain(v, memo, objects, depth + 1)) for v in value)))
     elif isinstance(value, dict):
         # integer keys are hook handles (different in every layer); string keys are names (adapters)
-        out = ("dict", tuple((k if isinstance(k, str) else "#", _plain(v, memo, depth + 1)) for k, v in value.items()))
+        out = ("dict", tuple((k if isinstance(k, str) else "#", _plain(v, memo, objects, depth + 1)) for k, v in value.items()))
     elif isinstance(value, type) or callable(value) and not hasattr(value, "__dict__"):
         out = ("callable", getattr(value, "__qualname__", type(value).__qualname__))
     elif callable(value) and hasattr(value, "__func__"):  # a bound method
         out = ("method", value.__func__.__qualname__)
     elif hasattr(value, "__dict__"):
+        known = objects.get(key)
+        if known is not None and known[0] is value:
+            return known[1]
         memo[key] = ("cycle", type(value).__qualname__)
-        out = (type(value).__qualname__, tuple((k, _plain(v, memo, depth + 1)) for k, v in sorted(vars(value).items())
-                                               if not isinstance(v, nn.Module)))
+        out = (type(value).__qualname__, tuple((k, _plain(v, memo, objects, depth + 1))
+                                               for k, v in sorted(vars(value).items()) if not isinstance(v, nn.Module)))
+        objects[key] = (value, out)
     else:
         out = ("object", type(value).__qualname__)
     memo[key] = out
     return out
 
 
-def fingerprint(layer: nn.Module) -> tuple:
+def fingerprint(layer: nn.Module, objects: dict[int, tuple[Any, Any]] | None = None) -> tuple:
     """What a traced region of ``layer`` depends on besides its inputs: the classes of its modules,
     their plain attributes (training flags, dropout rates, LoRA scalings, attention kinds, ...) and
-    their tensors' shapes and dtypes. Two layers with equal fingerprints trace to the same graph."""
+    their tensors' shapes and dtypes. Two layers with equal fingerprints trace to the same graph.
+    ``objects``: descriptions of non-container objects already walked (``_plain``)."""
     memo: dict[int, Any] = {}
+    objects = {} if objects is None else objects
     parts = []
     for name, mod in layer.named_modules(remove_duplicate=False):
-        attrs = tuple((k, _plain(v, memo)) for k, v in sorted(vars(mod).items()) if k not in _SKIP_ATTRS)
+        attrs = tuple((k, _plain(v, memo, objects)) for k, v in sorted(vars(mod).items()) if k not in _SKIP_ATTRS)
         tensors = tuple((k, tuple(t.shape), t.dtype, t.requires_grad) for k, t in
                         (*mod._parameters.items(), *mod._buffers.items()) if t is not None)
         parts.append((name, type(mod), attrs, tensors))
@@ -185,25 +195,85 @@ def fingerprint(layer: nn.Module) -> tuple:
 
 # -- a region ------------------------------------------------------------------------------------------
 
+ViewSpec = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]]  # byte offset in a block, dtype, shape, stride
+
+
+def block_view(block: torch.Tensor, spec: ViewSpec) -> torch.Tensor:
+    """One host tensor's bytes inside its layer's loaded block (a uint8 buffer), as that tensor."""
+    offset, dtype, shape, stride = spec
+    span = (1 + sum((s - 1) * st for s, st in zip(shape, stride))) * dtype.itemsize if all(shape) else 0
+    return block[offset:offset + span].view(dtype).as_strided(shape, stride)
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """How the op's inputs become the region graph's inputs. The op gets the call's tensors, then the
+    layer's own tensors that are not in the host store (the adapter), then its host tensors: one
+    loaded ``block`` (a uint8 buffer over all of them, which the arena keeps side by side; the graph
+    gets each as a view of it, ``host_views``) or, where they are not side by side, one load each.
+    One load per layer instead of one per tensor: Dynamo, AOTAutograd and the runtime each handle a
+    fraction of the tensors. ``layout`` gives the layer's tensors in ``state`` order, each
+    ``("own", k)`` or ``("host", k)``."""
+
+    num_activations: int
+    layout: tuple[tuple[str, int], ...]
+    host_views: tuple[ViewSpec, ...] | None  # None: host tensors are op inputs of their own
+
+    @property
+    def num_own(self) -> int:
+        return sum(kind == "own" for kind, _ in self.layout)
+
+    @property
+    def block_index(self) -> int:
+        return self.num_activations + self.num_own
+
+    @property
+    def sources(self) -> list[int | ViewSpec]:
+        """Per graph input: the op input it is (an index), or the view of the block it is."""
+        out: list[int | ViewSpec] = list(range(self.num_activations))
+        for kind, k in self.layout:
+            if kind == "own":
+                out.append(self.num_activations + k)
+            elif self.host_views is None:
+                out.append(self.block_index + k)
+            else:
+                out.append(self.host_views[k])
+        return out
+
+    def expand(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if self.host_views is None:
+            return [inputs[s] for s in self.sources]  # type: ignore[index]
+        block = inputs[self.block_index]
+        return [inputs[s] if isinstance(s, int) else block_view(block, s) for s in self.sources]
+
+    def expand_metas(self, metas: Sequence[TensorMeta]) -> list[TensorMeta]:
+        device = metas[self.block_index][3] if self.host_views is not None else None
+        return [metas[s] if isinstance(s, int) else (s[2], s[3], s[1], device) for s in self.sources]
+
+
 @dataclasses.dataclass(eq=False)
 class Region:
     """One traced layer structure, shared by every layer that has it.
 
-    ``forward``: ``(*inputs) -> (*outputs, *saved)``; ``backward`` (``None`` for an inference region):
-    its placeholders are taken from ``backward_args`` (``("input", i)``: the op's input ``i``,
-    ``("saved", j)``: forward output ``num_outputs + j``, ``("tangent", k)``) and it returns the
-    gradients of the inputs ``grad_inputs``."""
+    ``forward``: ``(*graph inputs) -> (*outputs, *saved)``, its inputs the op's inputs expanded by
+    ``packing``. ``backward`` (``None`` for an inference region) is called with the op inputs
+    ``backward_inputs``, then the saved tensors, then the outputs' gradients; ``backward_args`` says
+    what each of its placeholders is (``("input", p)``: the ``p``-th of those op inputs, ``("view", p,
+    spec)``: a host tensor inside it, ``("saved", j)``, ``("tangent", k)``). It returns the gradients of
+    the op inputs ``grad_inputs``."""
 
     index: int
     forward: fx.GraphModule
     backward: fx.GraphModule | None
     joint: fx.GraphModule | None
+    packing: Packing
     num_outputs: int
     output_meta: list[TensorMeta]  # outputs, then saved
-    backward_args: list[tuple[str, int]]
+    backward_inputs: tuple[int, ...]
+    backward_args: list[tuple]
     grad_inputs: tuple[int, ...]
     grad_meta: list[TensorMeta]
-    input_meta: list[TensorMeta]
+    input_meta: list[TensorMeta]  # the graph's (expanded) inputs
     trace_seconds: float
     layers: list[int] = dataclasses.field(default_factory=list)
     compiled: dict[str, tuple[Callable, Callable | None]] = dataclasses.field(default_factory=dict)
@@ -214,21 +284,32 @@ class Region:
     def name(self) -> str:
         return f"r{self.index}"
 
-    @property
-    def saved_inputs(self) -> list[int]:
-        """The op inputs its backward reads."""
-        return [i for kind, i in self.backward_args if kind == "input"]
+    def backward_graph_args(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The backward graph's arguments from the backward op's inputs."""
+        count, saved = len(self.backward_inputs), len(self.output_meta) - self.num_outputs
+        out = []
+        for arg in self.backward_args:
+            kind, i = arg[0], arg[1]
+            if kind == "input":
+                out.append(inputs[i])
+            elif kind == "view":
+                out.append(block_view(inputs[i], arg[2]))
+            elif kind == "saved":
+                out.append(inputs[count + i])
+            else:
+                out.append(inputs[count + saved + i])
+        return out
 
     def runners(self, codegen: str) -> tuple[Callable, Callable | None]:
         """The forward and backward with the ops' signatures, running the code compiled for ``codegen``."""
         fw, bw = self.compiled[codegen]
-        name = self.name
+        name, expand, backward_args = self.name, self.packing.expand, self.backward_graph_args
 
         def forward(inputs: list, table: int, layer: int, call: str, grads: str) -> list:
-            return list(fw(list(inputs)))
+            return list(fw(expand(inputs)))
 
         def backward(inputs: list, table: int, region: int) -> list:
-            return list(bw(list(inputs)))
+            return list(bw(backward_args(inputs)))
 
         forward.__name__ = forward.__qualname__ = f"region_{name}_forward"
         backward.__name__ = backward.__qualname__ = f"region_{name}_backward"
@@ -266,15 +347,39 @@ class RegionTable:
     def __init__(self, layers: Sequence[nn.Module]) -> None:
         self.layers = list(layers)
         self.by_key: dict[Any, Region] = {}
+        self.objects: dict[int, tuple[Any, Any]] = {}  # fingerprint's object descriptions
+        self.fingerprints: dict[tuple, int] = {}  # fingerprint -> its number (the keys hold the number)
+        self._memo: tuple[Any, dict[int, int]] = (None, {})  # (the compile's TracingContext, layer -> fingerprint no.)
         self.regions: list[Region] = []
         self.handle = id(self)
         _TABLES[self.handle] = self
+
+    def _fingerprint(self, layer: int) -> int:
+        """``fingerprint`` of layer ``layer``, worked out once per compile: Dynamo, AOTAutograd and the
+        passes each ask for every layer, and nothing changes a module while a frame compiles (one
+        ``TracingContext``)."""
+        from torch._guards import TracingContext
+
+        context = TracingContext.try_get()
+        if context is None:
+            return self._intern(layer)
+        if self._memo[0] is not context:
+            self._memo = (context, {})
+        known = self._memo[1]
+        if layer not in known:
+            known[layer] = self._intern(layer)
+        return known[layer]
+
+    def _intern(self, layer: int) -> int:
+        """A small number for the layer's fingerprint (a large tuple, slow to hash at every lookup)."""
+        check_state(self.layers[layer], layer)
+        return self.fingerprints.setdefault(fingerprint(self.layers[layer], self.objects), len(self.fingerprints))
 
     def region(self, layer: int, call: str, grads: str, inputs: Sequence[Any]) -> Region:
         """The region for this call of layer ``layer`` (traced now if its structure is new)."""
         module = self.layers[layer]
         metas = tuple(meta_of(t) for t in inputs)
-        before = fingerprint(module)
+        before = self._fingerprint(layer)
         key = (before, call, grads, metas)
         region = self.by_key.get(key)
         if region is None:
@@ -283,7 +388,10 @@ class RegionTable:
             self.by_key[key] = region
             # a first forward may cache plain attributes (bitsandbytes' compute dtype): file the region
             # under what the layer looks like now as well
-            self.by_key[(fingerprint(module), call, grads, metas)] = region
+            after = self._intern(layer)
+            self.by_key[(after, call, grads, metas)] = region
+            if self._memo[0] is not None:
+                self._memo[1][layer] = after
             logger.info("poros: traced region %s (layer %d: forward %d nodes, backward %d nodes, %d saved) in %.1f s",
                         region.name, layer, len(region.forward.graph.nodes),
                         len(region.backward.graph.nodes) if region.backward is not None else 0,
@@ -322,9 +430,23 @@ def _fakes(mode: Any, metas: Sequence[TensorMeta], grads: str | None = None) -> 
     return out
 
 
-def state_names(layer: nn.Module) -> list[str]:
+def state(layer: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The layer's tensors in the order ``call_region`` passes them: parameters, then buffers."""
-    return [n for n, _ in layer.named_parameters()] + [n for n, _ in layer.named_buffers()]
+    return [*layer.named_parameters(), *layer.named_buffers()]
+
+
+def state_names(layer: nn.Module) -> list[str]:
+    return [n for n, _ in state(layer)]
+
+
+def check_state(layer: nn.Module, index: int) -> None:
+    """The tensors ``prepare`` listed for the layer are still its tensors (an adapter added or removed
+    after ``prepare`` changes them; a region traced from the old list would read the wrong ones)."""
+    current = state(layer)
+    listed = [(layer._poros_own if kind == "own" else layer._poros_hosts)[k] for kind, k in layer._poros_layout]
+    if len(current) != len(listed) or any(t is not u for (_, t), u in zip(current, listed)):
+        raise PorosConfigError(f"decoder layer {index}'s parameters or buffers changed after poros_fx.prepare (an adapter "
+                               "added, removed or replaced?); call poros_fx.unprepare(model) and prepare it again")
 
 
 def trace_region(layer: nn.Module, call: str, grads: str, metas: list[TensorMeta], index: int) -> Region:
@@ -332,7 +454,14 @@ def trace_region(layer: nn.Module, call: str, grads: str, metas: list[TensorMeta
 
     started = time.perf_counter()
     names = state_names(layer)
-    num_activations = len(metas) - len(names)
+    layout = layer._poros_layout
+    views = layer._poros_block_views if layer._poros_block is not None else None
+    packed_state = sum(kind == "own" for kind, _ in layout) + (1 if views is not None else len(layer._poros_hosts))
+    packing = Packing(num_activations=len(metas) - packed_state, layout=layout, host_views=views)
+    packed_metas, packed_grads = metas, grads
+    metas = packing.expand_metas(packed_metas)
+    grads = "".join(packed_grads[s] if isinstance(s, int) else "0" for s in packing.sources)
+    num_activations = packing.num_activations
     layer_class = type(layer)._poros_layer_class  # the layer's class before prepare made it a region
 
     def fn(*flat: torch.Tensor) -> tuple[torch.Tensor]:
@@ -351,10 +480,10 @@ def trace_region(layer: nn.Module, call: str, grads: str, metas: list[TensorMeta
         inputs = _fakes(FakeTensorMode(allow_non_fake_inputs=True), metas, grads)
         joint, fw, bw = _capture(fn, inputs)
     if not training:
-        return Region(index=index, forward=fw, backward=None, joint=None, num_outputs=1,
-                      output_meta=[_meta(n) for n in _outputs(fw)], backward_args=[], grad_inputs=(),
-                      grad_meta=[], input_meta=metas, trace_seconds=time.perf_counter() - started)
-    return _region_from_partition(index, joint, fw, bw, metas, time.perf_counter() - started)
+        return Region(index=index, forward=fw, backward=None, joint=None, packing=packing, num_outputs=1,
+                      output_meta=[_meta(n) for n in _outputs(fw)], backward_inputs=(), backward_args=[],
+                      grad_inputs=(), grad_meta=[], input_meta=metas, trace_seconds=time.perf_counter() - started)
+    return _region_from_partition(index, joint, fw, bw, packing, metas, time.perf_counter() - started)
 
 
 def _capture(fn: Callable, inputs: list[torch.Tensor]) -> tuple[Any, fx.GraphModule, Any]:
@@ -405,9 +534,10 @@ def _strip_loads(gm: fx.GraphModule) -> None:
 
 
 def _region_from_partition(index: int, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule,
-                           metas: list[TensorMeta], seconds: float) -> Region:
-    """Saved inputs come from the op's inputs in the backward (the outer graph has them), not through
-    the forward's outputs; the backward returns only the gradients that exist."""
+                           packing: Packing, metas: list[TensorMeta], seconds: float) -> Region:
+    """Saved inputs come from the op's inputs in the backward (the outer graph has them: a host tensor
+    as its layer's block), not through the forward's outputs; the backward returns only the gradients
+    that exist."""
     primals = {n.name: i for i, n in enumerate(fw.graph.find_nodes(op="placeholder"))}
     fw_out = next(iter(fw.graph.find_nodes(op="output")))
     outs = list(fw_out.args[0])
@@ -419,25 +549,35 @@ def _region_from_partition(index: int, joint: fx.GraphModule, fw: fx.GraphModule
     fw.graph.lint()
     fw.recompile()
     saved_index = {o.name: j for j, o in enumerate(kept[1:])}
-    backward_args: list[tuple[str, int]] = []
+    sources = packing.sources
+    placeholders = list(bw.graph.find_nodes(op="placeholder"))
+    needed = sorted({packing.block_index if not isinstance(sources[primals[p.name]], int) else sources[primals[p.name]]
+                     for p in placeholders if p.name in primals and p.name not in saved_index})
+    position = {packed: k for k, packed in enumerate(needed)}
+    backward_args: list[tuple] = []
     tangents = 0
-    for p in bw.graph.find_nodes(op="placeholder"):
+    for p in placeholders:
         if p.name.startswith("tangents"):
             backward_args.append(("tangent", tangents))
             tangents += 1
         elif p.name in saved_index:
             backward_args.append(("saved", saved_index[p.name]))
         else:
-            backward_args.append(("input", primals[p.name]))
+            source = sources[primals[p.name]]
+            backward_args.append(("input", position[source]) if isinstance(source, int)
+                                 else ("view", position[packing.block_index], source))
     bw_out = next(iter(bw.graph.find_nodes(op="output")))
     grads = list(bw_out.args[0])
-    grad_inputs = tuple(i for i, g in enumerate(grads) if g is not None)
-    bw_out.args = (tuple(grads[i] for i in grad_inputs),)
+    with_grad = [i for i, g in enumerate(grads) if g is not None]
+    if any(not isinstance(sources[i], int) for i in with_grad):
+        raise AssertionError("a region's backward computes a gradient for a host tensor of the frozen base")
+    bw_out.args = (tuple(grads[i] for i in with_grad),)
     bw.graph.lint()
     bw.recompile()
-    return Region(index=index, forward=fw, backward=bw, joint=joint, num_outputs=1,
-                  output_meta=[_meta(n) for n in kept], backward_args=backward_args, grad_inputs=grad_inputs,
-                  grad_meta=[_meta(grads[i]) for i in grad_inputs], input_meta=metas, trace_seconds=seconds)
+    return Region(index=index, forward=fw, backward=bw, joint=joint, packing=packing, num_outputs=1,
+                  output_meta=[_meta(n) for n in kept], backward_inputs=tuple(needed), backward_args=backward_args,
+                  grad_inputs=tuple(sources[i] for i in with_grad), grad_meta=[_meta(grads[i]) for i in with_grad],
+                  input_meta=metas, trace_seconds=seconds)
 
 
 # -- compiling -------------------------------------------------------------------------------------------
@@ -535,7 +675,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
     region = table_of(table).region(layer, call, grads, tensors)
     saved = output[region.num_outputs:]
     ctx.mark_non_differentiable(*saved)
-    ctx.save_for_backward(*(tensors[i] for i in region.saved_inputs), *saved)
+    ctx.save_for_backward(*(tensors[i] for i in region.backward_inputs), *saved)
     ctx.region = (table, region.index)
     ctx.num_inputs = len(tensors)
     ctx.wanted = [t.requires_grad for t in tensors]
@@ -544,23 +684,13 @@ def _setup_context(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
 def _backward(ctx: Any, grad_outputs: list[torch.Tensor | None]) -> tuple:
     table, index = ctx.region
     region = table_of(table).regions[index]
-    saved = list(ctx.saved_tensors)
-    num_inputs = len(region.saved_inputs)
-    from_inputs = dict(zip(region.saved_inputs, saved[:num_inputs]))
-    outputs = saved[num_inputs:]
-    args = []
-    for kind, i in region.backward_args:
-        if kind == "input":
-            args.append(from_inputs[i])
-        elif kind == "saved":
-            args.append(outputs[i])
-        else:  # the region's backward was traced with contiguous tangents
-            g = grad_outputs[i]
-            if g is None:
-                shape, stride, dtype, device = region.output_meta[i]
-                g = torch.zeros(shape, dtype=dtype, device=device)
-            args.append(g.contiguous())
-    grads = REGION_BACKWARD(args, table, index)
+    tangents = []
+    for i, g in enumerate(grad_outputs[:region.num_outputs]):  # its backward was traced with contiguous tangents
+        if g is None:
+            shape, _, dtype, device = region.output_meta[i]
+            g = torch.zeros(shape, dtype=dtype, device=device)
+        tangents.append(g.contiguous())
+    grads = REGION_BACKWARD([*ctx.saved_tensors, *tangents], table, index)
     out: list[torch.Tensor | None] = [None] * ctx.num_inputs
     for i, g in zip(region.grad_inputs, grads):
         if ctx.wanted[i]:  # not the first layer's input gradient, computed only to share the region
@@ -587,13 +717,16 @@ def layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 
 def call_region(layer: nn.Module, activations: list[torch.Tensor], call: str) -> torch.Tensor:
-    """Load the layer's base tensors and run it as one region."""
-    device, hosts = layer._poros_device, layer._poros_host_names
-    tensors = list(activations)
-    for name, t in layer.named_parameters():
-        tensors.append(LOAD(t, device) if name in hosts else t)
-    for name, t in layer.named_buffers():
-        tensors.append(LOAD(t, device) if name in hosts else t)
+    """Load the layer's base tensors and run it as one region. The layer's tensors come from the list
+    ``prepare`` made (``_poros_own``, ``_poros_hosts``, ``_poros_block``; ``Packing`` says how they map
+    to the layer's tensors): Dynamo walking ``named_parameters()`` generators cost ~0.5 s per layer,
+    most of a deep model's compile, and every tensor it reads becomes a graph input of its own."""
+    device, block = layer._poros_device, layer._poros_block
+    tensors = [*activations, *layer._poros_own]
+    if block is not None:  # all host tensors in one load (Packing)
+        tensors.append(LOAD(block, device))
+    else:  # not side by side in the arena: one load each
+        tensors.extend(LOAD(t, device) for t in layer._poros_hosts)
     grad = torch.is_grad_enabled()
     grads = "".join(["1" if grad and t.requires_grad else "0" for t in tensors])
     # the first layer's hidden states come from a frozen embedding and need no gradient; asking for one

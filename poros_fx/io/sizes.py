@@ -17,25 +17,35 @@ from torch import nn
 
 from ..families import Family, resolve
 from ..prepare import block_names, gathers_rows, module_blocks
+from ..runtime.arena import aligned
 
 if TYPE_CHECKING:
     import transformers
+
+
+def nf4_tensors(numel: int, blocksize: int = 64, nested: bool = True) -> list[int]:
+    """Bytes of each tensor bitsandbytes keeps for an NF4 weight of ``numel`` values, in the order
+    ``prepare`` places them: the packed weight, then the quant state (absmax; nested: the 8-bit absmax,
+    its offset, its own absmax and code)."""
+    packed = (numel + 1) // 2
+    blocks = math.ceil(numel / blocksize)
+    if not nested:
+        return [packed, 4 * blocks]
+    return [packed, blocks, 4, 4 * math.ceil(blocks / 256), 4 * 256]
 
 
 def nf4_bytes(numel: int, blocksize: int = 64, nested: bool = True,
               align: Callable[[int], int] = lambda n: n) -> int:
     """Bytes bitsandbytes keeps for an NF4 weight of ``numel`` values; ``align`` rounds each of its
     tensors (the host arena places every tensor on a 512-byte boundary)."""
-    packed = (numel + 1) // 2
-    blocks = math.ceil(numel / blocksize)
-    if not nested:
-        return align(packed) + align(4 * blocks)
-    return align(packed) + align(blocks) + align(4 * math.ceil(blocks / 256)) + align(4 * 256) + align(4)
+    return sum(align(n) for n in nf4_tensors(numel, blocksize, nested))
 
 
 def block_bytes(config: "transformers.PretrainedConfig", quantization: str = "nf4", block_size: int = 1,
-                family: Family | None = None) -> tuple[list[str], list[int]]:
-    """(block names, base bytes each block loads) for a model of ``config``."""
+                family: Family | None = None, regions: bool = True) -> tuple[list[str], list[int]]:
+    """(block names, base bytes each block loads) for a model of ``config``. With ``regions`` (prepare's
+    default) a decoder layer loads the arena span that holds its tensors side by side: their bytes and
+    the 512-byte alignment gaps between them."""
     if quantization not in ("nf4", "bf16"):
         raise ValueError(f"quantization must be 'nf4' or 'bf16', got {quantization!r}")
     import transformers
@@ -47,6 +57,7 @@ def block_bytes(config: "transformers.PretrainedConfig", quantization: str = "nf
     names = block_names(len(layers), block_size)
     block_of = module_blocks(fam, len(layers), block_size)
     sizes = [0] * len(names)
+    spans: dict[str, list[int]] = {}  # decoder layer -> its tensors' bytes, in the order prepare places them
     # a tied embedding / lm_head tensor is listed under both modules: each block loads it, so it counts twice
     for mod_name, module in model.named_modules():
         if gathers_rows(module):
@@ -55,7 +66,13 @@ def block_bytes(config: "transformers.PretrainedConfig", quantization: str = "nf
             block = block_of(mod_name)
             in_layers = mod_name.startswith(fam.layers + ".")
             if quantization == "nf4" and in_layers and type(module) is nn.Linear and pname == "weight":
-                sizes[block] += nf4_bytes(p.numel())
+                tensors = nf4_tensors(p.numel())
             else:
-                sizes[block] += p.numel() * 2
+                tensors = [p.numel() * 2]
+            if regions and in_layers:
+                spans.setdefault(".".join(mod_name.split(".")[:fam.layers.count(".") + 2]), []).extend(tensors)
+            else:
+                sizes[block] += sum(tensors)
+    for layer, tensors in spans.items():
+        sizes[block_of(layer)] += sum(aligned(n) for n in tensors[:-1]) + tensors[-1]
     return names, sizes

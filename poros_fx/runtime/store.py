@@ -26,6 +26,12 @@ class HostEntry:
     origin_device: torch.device  # where it lived before prepare
     blocks: tuple[int, ...]  # the blocks that read it (two for a tied embedding / lm_head)
     store: "HostStore" = dataclasses.field(repr=False)  # the store it belongs to
+    members: tuple[torch.Tensor, ...] = ()  # a decoder layer's block: the host tensors its bytes span
+
+    @property
+    def spans(self) -> bool:
+        """A layer's block (a view over other entries' bytes, not counted twice), not a tensor of its own."""
+        return bool(self.members)
 
     @property
     def nbytes(self) -> int:
@@ -54,15 +60,23 @@ class HostStore:
     _copy_stream: Any = dataclasses.field(default=None, repr=False)
 
     def block_bytes(self) -> list[int]:
-        """Bytes of base weights each block reads (a tied tensor counts in each block that reads it)."""
+        """Bytes of base weights each block loads (a tied tensor counts in each block that reads it; a
+        layer loaded as one span of the arena counts that span, the alignment gaps between its tensors
+        included)."""
         sizes = [0] * len(self.block_names)
+        spanned = {id(t) for e in self.entries.values() if e.spans for t in e.members}
         for entry in self.entries.values():
-            for b in entry.blocks:
-                sizes[b] += entry.nbytes
+            if id(entry.host) not in spanned:
+                for b in entry.blocks:
+                    sizes[b] += entry.nbytes
         return sizes
 
+    def tensors(self) -> list[HostEntry]:
+        """The entries of the frozen tensors themselves (not the layer blocks spanning them)."""
+        return [e for e in self.entries.values() if not e.spans]
+
     def host_bytes(self) -> int:
-        return sum(e.nbytes for e in self.entries.values())
+        return sum(e.nbytes for e in self.tensors())
 
     def copy_stream(self) -> Any:
         """The CUDA stream every streamed load of this model copies on (created on first use)."""

@@ -39,8 +39,8 @@ def _adapter(model: nn.Module) -> str:
 
 def _precision(model: nn.Module) -> str:
     store = get_store(model)
-    nf4 = any(".quant_state." in e.name for e in store.entries.values())
-    dtypes = Counter(str(e.host.dtype).replace("torch.", "") for e in store.entries.values()
+    nf4 = any(".quant_state." in e.name for e in store.tensors())
+    dtypes = Counter(str(e.host.dtype).replace("torch.", "") for e in store.tensors()
                      if ".quant_state." not in e.name and e.host.dtype.is_floating_point)
     dense = "+".join(d for d, _ in dtypes.most_common())
     return f"NF4 (bitsandbytes) + {dense}" if nf4 else dense
@@ -48,12 +48,20 @@ def _precision(model: nn.Module) -> str:
 
 def _ends(store) -> str:
     """How the embedding and the head reach the device."""
-    gathered = any(not e.blocks for e in store.entries.values())
+    gathered = any(not e.blocks for e in store.tensors())
     head = store.block_bytes()[-1]
     chunks = store.head_chunks
     return ("embedding rows gathered from the host store" if gathered else "embedding table loaded as a block") + (
         f"; lm_head in {chunks} row chunks of ~{head / chunks / 2**20:.1f} MiB" if chunks > 1 else
         f"; head block loaded whole ({head / 2**20:.1f} MiB)")
+
+
+def _layers(store) -> str:
+    """How decoder layers run under torch.compile."""
+    if store.regions is None:
+        return "traced into the step's graph one by one (regions=False)"
+    return (f"compiled regions, codegen {store.codegen} (one compile per distinct layer structure; "
+            f"{len(store.regions.regions)} traced so far)")
 
 
 def report(model: nn.Module) -> str:
@@ -78,6 +86,7 @@ def report(model: nn.Module) -> str:
         ("host base", f"{store.host_bytes() / 2**20:.1f} MiB" + (" (pinned)" if store.pinned() else "")
          + f", compute device {store.device}"),
         ("ends", _ends(store)),
+        ("layers", _layers(store)),
         ("guarantee", guarantee),
     ]
     width = max(len(k) for k, _ in rows)
