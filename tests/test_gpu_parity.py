@@ -113,7 +113,7 @@ def test_gpu_moving_a_prepared_model_to_the_device_is_refused():
 def test_gpu_oom_names_a_schedule_that_fits():
     config = tiny_config("llama", layers=2, hidden=2048, heads=16, kv_heads=4, vocab=512)
     model = lora_model(config, dtype=torch.bfloat16, device="cuda")
-    poros_fx.prepare(model, device="cuda")
+    poros_fx.prepare(model, device="cuda", codegen="eager")  # what is tested is the load, not a compiler
     step_model = torch.compile(model, backend="poros")
     ids = torch.randint(0, 512, (1, 32), device="cuda")
     torch.cuda.synchronize()
