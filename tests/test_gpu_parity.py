@@ -55,7 +55,8 @@ def test_gpu_streamed_equals_resident(nf4, codegen, deterministic):
     assert diffs == {s: 0.0 for s in SURFACES}, format_diffs("streamed vs stream=False (cuda)", diffs)
     assert s_stats["pinned"] and s_stats["peak_resident_base_bytes"] <= 2 * max(s_stats["block_bytes"])
     assert s_stats["host_bytes"] <= s_stats["pinned_host_bytes"] <= 1.05 * s_stats["host_bytes"]
-    assert r_stats["peak_resident_base_bytes"] == r_stats["host_bytes"]
+    # stream=False: everything any block loads, once (layers as their arena spans, alignment gaps included)
+    assert r_stats["peak_resident_base_bytes"] == sum(r_stats["block_bytes"]) >= r_stats["host_bytes"]
 
 
 def test_gpu_loads_run_on_the_copy_stream():
