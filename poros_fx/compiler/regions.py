@@ -1,26 +1,26 @@
 """Regions: every decoder layer runs as one compiled region, traced and compiled once per structure.
 
 Under ``torch.compile`` a prepared decoder layer does not let Dynamo trace its body. Its forward
-(``layer_forward``) loads the layer's base tensors (``poros::load``, as every other weight read does)
-and calls one op, ``poros::region``, with everything the layer reads: the tensors of its call, its
-parameters (the adapter), the loaded base tensors and its buffers. Dynamo and AOTAutograd see one
-node per layer, not a few hundred, and the op's autograd is ``poros::region_backward``. The first time
+(``layer_forward``) loads the layer's base tensors (``poros::load`` of the one arena span that holds
+them, see ``Packing``) and calls one op, ``poros::region``, with everything the layer reads: the
+tensors of its call, its own tensors (the adapter) and that load. Dynamo and AOTAutograd see one node
+per layer, not a few hundred, and the op's autograd is ``poros::region_backward``. The first time
 the op meets a layer structure (``RegionTable.region``: the layer's classes and plain attributes, the
 call, the inputs' shapes), its fake implementation traces that one layer's joint forward+backward
-graph (``aot_export_joint_simple``) and partitions it once: the region's forward returns the layer's
-output *and* what its backward needs (``saved``), its backward takes them. Layers of one structure
-share the region, so tracing and compiling cost does not grow with depth.
+graph (``aot_function``, the path the backend's own graphs take) and partitions it once: the region's
+forward returns the layer's output *and* what its backward needs (``saved``), its backward takes them.
+Layers of one structure share the region, so tracing and compiling cost does not grow with depth.
 
 Outer joint graph, two identical layers, before the partition (``table`` is the model's handle)::
 
-    load = poros.load(primals_3, cuda)   ...                                  # layers.0's base tensors
-    region = poros.region([embedding, ..., load, ...], table, 0, call, "0111...")
+    load = poros.load(primals_3, cuda)                                        # layers.0's span (uint8)
+    region = poros.region([embedding, cos, sin, ..., lora_A, ..., load], table, 0, call, "1001...")
     getitem = region[0]                  # the layer's output
     getitem_1 = region[1]   ...          # saved for its backward
-    region_1 = poros.region([getitem, ..., load_7, ...], table, 1, call, "1111...")  # the same region
+    region_1 = poros.region([getitem, ..., load_1], table, 1, call, "1001...")   # the same region
     ...
-    region_backward_1 = poros.region_backward([load_7, ..., getitem_9, tangent], table, 0)
-    region_backward = poros.region_backward([load, ..., getitem_1, getitem_14], table, 0)
+    region_backward_1 = poros.region_backward([getitem, cos, sin, load_1, getitem_55, ..., tangent], table, 0)
+    region_backward = poros.region_backward([embedding, cos, sin, load, getitem_1, ..., getitem_110], table, 0)
 
 Streamed, the recompute pass tags each ``poros.region`` like any other node of its block, so the
 min-cut partitioner runs it again in the backward, where its saved outputs are needed; the op is
@@ -35,11 +35,11 @@ graph as it is) and points the graph's nodes at the compiled code.
 from __future__ import annotations
 
 import ast
-import re
 import contextlib
 import copy
 import dataclasses
 import logging
+import re
 import time
 import weakref
 from typing import Any, Callable, Iterator, Sequence
