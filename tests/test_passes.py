@@ -128,3 +128,24 @@ def test_lower_rng_calls_the_wrappers_device_implementation_with_the_same_result
     assert torch.equal(state_, hop_state) and torch.equal(out, hop_out) and torch.equal(mask, hop_mask)
     assert torch.equal(replay[0], hop_replay[0]) and torch.equal(replay[0], out)
     assert torch.equal(torch.rand(4), hop_after)  # the generator is left where the wrappers leave it
+
+
+def test_lower_rng_names_the_ops_cuda_device():
+    """torch's CUDA wrappers read the *current* device's generator; lowered, a wrapper whose op runs on
+    cuda:1 reads and sets cuda:1's, whatever device is current (the backward runs on autograd's thread)."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from poros_fx.passes.lower_rng import lower_rng
+
+    dropout = torch.ops.aten.native_dropout.default
+    g = fx.Graph()
+    state, x = g.placeholder("state"), g.placeholder("x")
+    with FakeTensorMode():
+        x.meta["val"] = torch.empty(2, device="cuda:1")
+    save = g.call_function(run_and_save_rng_state, (dropout, x, 0.1, True))
+    restore = g.call_function(run_with_rng_state, (state, dropout, x, 0.1, True))
+    g.output((save, restore))
+    gm = lower_rng(fx.GraphModule(torch.nn.Module(), g), _schedule())
+    assert [n.target.__name__ for n in (save, restore)] == ["run_and_save_rng_state_cuda1", "run_with_rng_state_cuda1"]
+    assert "run_with_rng_state_cuda1(state, " in gm.graph.python_code("self").src

@@ -439,9 +439,24 @@ def state_names(layer: nn.Module) -> list[str]:
     return [n for n, _ in state(layer)]
 
 
+MERGE_ERROR = ("merging a LoRA adapter into a prepared (streamed) base is not supported: the base weights live in "
+               "the poros host store and PEFT's merge changes a temporary copy of them, so the model would run "
+               "without the adapter. Merge offline instead (`poros-fx export ADAPTER --base MODEL -o OUT`), or call "
+               "poros_fx.unprepare(model) first")
+
+
+def check_not_merged(layer: nn.Module) -> None:
+    """PEFT's ``merge_adapter`` on a prepared model adds the adapter to a loaded copy of the base weight
+    (lost) and marks the LoRA layer merged, which then skips its adapter: refuse to run it."""
+    if any(getattr(m, "merged", False) is True for m in layer.modules()):
+        raise PorosConfigError(MERGE_ERROR)
+
+
 def check_state(layer: nn.Module, index: int) -> None:
-    """The tensors ``prepare`` listed for the layer are still its tensors (an adapter added or removed
-    after ``prepare`` changes them; a region traced from the old list would read the wrong ones)."""
+    """The tensors ``prepare`` listed for the layer are still its tensors (an adapter removed after
+    ``prepare`` changes them, which no hook sees; a region traced from the old list would read the
+    wrong ones), and no adapter of it is merged."""
+    check_not_merged(layer)
     current = state(layer)
     listed = [(layer._poros_own if kind == "own" else layer._poros_hosts)[k] for kind, k in layer._poros_layout]
     if len(current) != len(listed) or any(t is not u for (_, t), u in zip(current, listed)):
@@ -713,6 +728,8 @@ def layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         flat = flatten_call(args, kwargs)
         if flat is not None:
             return call_region(self, *flat)
+    elif not torch.compiler.is_compiling():
+        check_not_merged(self)
     return type(self)._poros_layer_class.forward(self, *args, **kwargs)
 
 

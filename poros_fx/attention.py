@@ -1,0 +1,142 @@
+"""SDPA attention under ``torch.compile`` that calls the kernel the eager model calls.
+
+Eager, transformers' ``sdpa_mask`` looks at the padding mask's *values*: with no padding (no mask,
+or a mask of ones) it returns no mask, and the attention runs SDPA with ``is_causal=True`` (and, for
+grouped-query heads, ``enable_gqa=True``); with padding it builds a boolean mask and SDPA runs with
+``attn_mask`` over repeated key/value heads. Under Dynamo (torch < 2.14) ``sdpa_mask`` cannot read
+values, so it always builds the mask: a compiled step runs another SDPA kernel than the user's eager
+loop, and the two part by a few ulps from seq ~40 on (CPU fp32) and ~1e-3 in NF4 on the GPU.
+
+``prepare`` switches a model whose attention is ``"sdpa"`` to ``"poros_sdpa"`` (registered here through
+transformers' ``AttentionInterface`` / ``AttentionMaskInterface``; nothing of torch or transformers is
+patched). Eager, both functions are transformers' own. Compiled, the mask function returns the mask
+*and* eager's decision as a tensor, ``(mask, no_mask_needed)``, and the attention function branches
+on it with ``torch.cond``: the ``is_causal`` kernel when eager would have skipped the mask, the masked
+kernel otherwise. The decision is computed once per forward and moved to the host, so the branch
+costs no device sync per layer. Graph, per attention (``q`` query, ``pred`` on the CPU)::
+
+    before:  sdpa = aten.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask)
+    after:   cond = higher_order.cond(pred, true_graph, false_graph, (q, k, v, mask))
+             #  true_graph:  aten.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+             #  false_graph: aten.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+NAME = "poros_sdpa"  # the attention implementation a prepared model's config names
+WRAPS = "sdpa"  # the implementation it stands in for
+
+
+def register() -> None:
+    """Make ``"poros_sdpa"`` known to transformers (idempotent; ``GeneralInterface.register``)."""
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, mask)
+
+
+def use(config: Any) -> Callable[[], None] | None:
+    """Switch ``config`` (and its sub-configs) from ``"sdpa"`` to ``"poros_sdpa"``; returns the undo,
+    or ``None`` when the model does not use SDPA (eager attention already matches)."""
+    if getattr(config, "_attn_implementation", None) != WRAPS:
+        return None
+    register()
+    config._attn_implementation = NAME
+
+    def undo() -> None:
+        if config._attn_implementation == NAME:
+            config._attn_implementation = WRAPS
+
+    return undo
+
+
+def _static_skip(q_length: int, kv_length: int, q_offset: Any, local_size: int | None) -> tuple[bool, bool]:
+    """The parts of transformers' ``_ignore_causal_mask_sdpa`` that depend on sizes only: whether the
+    mask may be skipped when the padding mask is all ones (first), and when its first ``q_length``
+    entries are ones and the rest zeros (second)."""
+    if isinstance(q_offset, torch.Tensor) or (local_size is not None and kv_length >= local_size):
+        return False, False
+    return q_length == 1 or kv_length == q_length, q_offset == 0
+
+
+def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_offset: int = 0,
+         mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
+         local_size: int | None = None, allow_is_causal_skip: bool = True, **kwargs: Any) -> Any:
+    """``sdpa_mask``, with eager's value-dependent skip kept under ``torch.compile`` (see module doc)."""
+    from transformers.masking_utils import causal_mask_function, fast_all, prepare_padding_mask, sdpa_mask
+
+    if mask_function is None:
+        mask_function = causal_mask_function
+    args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                local_size=local_size, **kwargs)
+    if not torch.compiler.is_compiling():
+        return sdpa_mask(allow_is_causal_skip=allow_is_causal_skip, **args)
+    all_ones_ok, prefix_ok = _static_skip(q_length, kv_length, q_offset, local_size)
+    padding = prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if not allow_is_causal_skip:
+        if padding is None and not kwargs.get("use_vmap", False) and all_ones_ok:
+            # Without a padding mask, create_causal_mask looks for packed sequences in the position ids;
+            # it cannot read them under compile, so it composes a packed-sequence mask and forbids the
+            # skip. Eager skips when each row holds one sequence, i.e. when the mask is plain causal.
+            full = sdpa_mask(allow_is_causal_skip=False, **args)
+            causal = torch.ones(q_length, kv_length, dtype=torch.bool, device=full.device).tril()
+            return full, (full == causal).all().cpu()
+        return sdpa_mask(allow_is_causal_skip=False, **args)  # eager materializes it too
+    if padding is None:
+        if all_ones_ok or prefix_ok:
+            return None  # what eager returns: SDPA's is_causal path
+        return sdpa_mask(allow_is_causal_skip=False, **args)
+    if not (all_ones_ok or prefix_ok):
+        return sdpa_mask(allow_is_causal_skip=False, **args)
+    if padding.shape[-1] > kv_length:
+        padding = padding[:, torch.arange(kv_length, device=padding.device) + kv_offset]
+    skip = torch.zeros((), dtype=torch.bool, device=padding.device)
+    if all_ones_ok:
+        skip = skip | fast_all(padding)
+    if prefix_ok:
+        skip = skip | (fast_all(padding[:, :q_length]) & fast_all(~padding[:, q_length:]))
+    # one copy to the host per forward: every layer's branch then reads a CPU scalar, no device sync
+    return sdpa_mask(allow_is_causal_skip=False, **args), skip.cpu()
+
+
+def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa_attention_forward``; given ``(mask, skip)`` from ``mask``, it runs the kernel
+    eager would have run, chosen by ``torch.cond`` on ``skip``."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if not isinstance(attention_mask, tuple):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    full_mask, skip = attention_mask
+
+    # cond wants both branches' gradients in one layout; the kernels give theirs in their own (the
+    # masked one's come back contiguous through repeat_kv), so each branch hands them over as
+    # [batch, seq, heads, dim] in memory (a copy only where a kernel gave another layout)
+    def unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        q, k, v = (_GradSeqMajor.apply(t) for t in (q, k, v))
+        return sdpa_attention_forward(module, q, k, v, None, **kwargs)[0]
+
+    def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        q, k, v = (_GradSeqMajor.apply(t) for t in (q, k, v))
+        return sdpa_attention_forward(module, q, k, v, m, **kwargs)[0]
+
+    return torch.cond(skip, unmasked, masked, (query, key, value, full_mask)), None
+
+
+class _GradSeqMajor(torch.autograd.Function):
+    """Identity on a [batch, heads, seq, dim] tensor whose gradient is laid out as [batch, seq, heads,
+    dim] in memory (the layout of the projections' outputs it came from): same values, fixed strides."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.transpose(1, 2).contiguous().transpose(1, 2)

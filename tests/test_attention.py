@@ -1,0 +1,150 @@
+"""Streamed == the plain eager PEFT loop with the models' default SDPA attention and grouped-query heads.
+
+Eager, transformers skips the attention mask when it can (no padding, one sequence per row) and SDPA
+runs ``is_causal=True`` with ``enable_gqa``; under torch.compile it cannot read the mask's values and
+builds it, so SDPA runs another kernel and the compiled step parts from the eager one by a few ulps
+from seq ~40 on. ``poros_fx.attention`` keeps eager's choice (see its docstring). Two independent
+runs each (fresh models, same seeds), compared with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+import poros_fx
+from poros_fx import attention
+from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
+from poros_fx.tools.tiny import tiny_lora_model
+
+EQUAL = {s: 0.0 for s in SURFACES}
+
+
+def batches(seq: int, mode: str, count: int = 4) -> list[dict[str, torch.Tensor]]:
+    """``mode``: ``none`` (no attention_mask), ``ones`` (a mask without padding), ``pad`` (left padding
+    in one row), ``packed`` (two sequences per row, told by position_ids)."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, 256, (2, seq), generator=g)
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        if mode == "ones":
+            batch["attention_mask"] = torch.ones_like(ids)
+        elif mode == "pad":
+            mask = torch.ones_like(ids)
+            mask[1, :5] = 0
+            batch.update(attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        elif mode == "packed":
+            half = seq // 2
+            batch["position_ids"] = torch.cat([torch.arange(half), torch.arange(seq - half)]).expand(2, -1)
+        out.append(batch)
+    return out
+
+
+def run(data: list[dict], *, compiled: bool, dtype: torch.dtype = torch.float32, nf4: bool = False,
+        family: str = "llama", plain_sdpa: bool = False) -> Any:
+    torch._dynamo.reset()
+    model = tiny_lora_model(family, layers=2, dropout=0.1, seed=0, dtype=dtype, nf4=nf4)
+    step_model = model
+    if compiled:
+        poros_fx.prepare(model, device="cpu")
+        if plain_sdpa:  # what a prepared model did before poros_fx.attention
+            model.config._attn_implementation = "sdpa"
+        step_model = torch.compile(model, backend="poros")
+    return train(model, step_model, data, accumulate=2)
+
+
+@pytest.mark.parametrize("seq,mode,dtype,nf4", [
+    (64, "none", torch.float32, False),
+    (64, "ones", torch.float32, False),
+    (64, "pad", torch.float32, False),
+    (64, "packed", torch.float32, False),
+    (64, "ones", torch.bfloat16, False),
+    (64, "pad", torch.bfloat16, False),
+    (64, "ones", torch.bfloat16, True),
+    (512, "ones", torch.float32, False),
+    (512, "pad", torch.bfloat16, True),
+    (2048, "none", torch.float32, False),
+], ids=lambda v: str(v).replace("torch.", "") if not isinstance(v, bool) else ("nf4" if v else "-"))
+def test_streamed_equals_eager_with_sdpa_and_gqa(seq, mode, dtype, nf4):
+    data = batches(seq, mode, count=2 if seq >= 512 else 4)
+    diffs = compare(run(data, compiled=True, dtype=dtype, nf4=nf4), run(data, compiled=False, dtype=dtype, nf4=nf4))
+    assert diffs == EQUAL, format_diffs(f"streamed vs eager, seq {seq} {mode}", diffs)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "phi3"])
+def test_other_families(family):
+    """Qwen2 (one of the families whose config names mask kinds per layer) and Phi-3 (q, k, v sliced
+    out of one fused projection, so their gradients come back in another layout)."""
+    data = batches(64, "ones")
+    diffs = compare(run(data, compiled=True, family=family), run(data, compiled=False, family=family))
+    assert diffs == EQUAL, format_diffs(f"streamed vs eager, {family}", diffs)
+
+
+def test_plain_sdpa_under_compile_is_not_equal():
+    """The test above can fail: with transformers' own ``sdpa`` under torch.compile (the mask built, a
+    masked kernel) the same recipe parts from the eager loop."""
+    data = batches(64, "ones")
+    diffs = compare(run(data, compiled=True, plain_sdpa=True), run(data, compiled=False))
+    assert diffs["weights"] > 0.0, format_diffs("plain sdpa under compile vs eager", diffs)
+
+
+def test_prepare_switches_sdpa_and_unprepare_restores_it():
+    model = tiny_lora_model("llama", layers=1, dropout=0.0)
+    eager_attn = tiny_lora_model("llama", layers=1, dropout=0.0, attn="eager")
+    poros_fx.prepare(model, device="cpu")
+    poros_fx.prepare(eager_attn, device="cpu")
+    assert model.config._attn_implementation == attention.NAME
+    assert eager_attn.config._attn_implementation == "eager"  # eager attention already matches: untouched
+    ids = torch.randint(0, 256, (1, 48))
+    with torch.no_grad():  # eager use of a prepared model: transformers' own mask and kernel
+        prepared = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits
+    poros_fx.unprepare(model)
+    assert model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        assert torch.equal(prepared, model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits)
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, count: int, seq: int) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.rows = []
+        for i in range(count):
+            ids = torch.randint(0, 256, (seq,), generator=g)
+            mask = torch.ones_like(ids)
+            if i % 3 == 2:  # some rows padded, as a collator would leave them
+                mask[-7:] = 0
+            self.rows.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.rows[i]
+
+
+def test_poros_trainer_equals_trainer_with_sdpa(tmp_path):
+    """PorosTrainer == transformers.Trainer at seq 64 with attention masks (some rows padded), Llama
+    GQA with the default SDPA: the per-step log and the adapter."""
+    from poros_fx.hf import PorosTrainer
+
+    def fit(cls: type[transformers.Trainer]) -> tuple[list, dict]:
+        torch._dynamo.reset()
+        model = tiny_lora_model("llama", layers=2, dropout=0.1)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / cls.__name__), max_steps=3, per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, learning_rate=1e-3, logging_steps=1, seed=1, report_to=[],
+            use_cpu=True, disable_tqdm=True, save_strategy="no")
+        trainer = cls(model=model, args=args, train_dataset=Rows(12, 64))
+        trainer.train()
+        log = [{k: h[k] for k in ("loss", "grad_norm")} for h in trainer.state.log_history if "loss" in h]
+        return log, {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+    poros_log, poros_weights = fit(PorosTrainer)
+    plain_log, plain_weights = fit(transformers.Trainer)
+    assert poros_log == plain_log
+    assert poros_weights.keys() == plain_weights.keys()
+    assert all(torch.equal(poros_weights[n], plain_weights[n]) for n in plain_weights)
