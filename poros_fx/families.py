@@ -12,7 +12,7 @@ import dataclasses
 import types
 from typing import Literal
 
-from .errors import UnsupportedArchitectureError
+from .errors import PorosConfigError, UnsupportedArchitectureError
 
 Status = Literal["validated", "user_asserted"]
 
@@ -56,8 +56,18 @@ def user_asserted(model_type: str, *, layers: str = "model.layers", embed: str =
                   status="user_asserted")
 
 
-def resolve(model_type: str | None, family: Family | None = None) -> Family:
-    """The family for ``model_type``: the user's if given, else the validated one, else raise."""
+def resolve(model_type: str | None, family: Family | str | None = None) -> Family:
+    """The family for ``model_type``: the user's if given (a ``Family``, or the name of a validated
+    one such as ``"qwen2"``), else the validated one, else raise."""
+    if isinstance(family, str):
+        if family not in VALIDATED:
+            raise PorosConfigError(f"family={family!r} is not a registered family name; pass one of "
+                                   f"{', '.join(repr(k) for k in sorted(VALIDATED))}, a poros_fx.user_asserted(...) "
+                                   "family, or None (the model's own config.model_type)")
+        family = VALIDATED[family]
+    elif family is not None and not isinstance(family, Family):
+        raise PorosConfigError(f"family must be a family name ({', '.join(sorted(VALIDATED))}), a "
+                               f"poros_fx.user_asserted(...) family or None, got {type(family).__name__}")
     if family is not None:
         if model_type is not None and family.model_type != model_type:
             raise UnsupportedArchitectureError(

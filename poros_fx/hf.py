@@ -28,7 +28,7 @@ from torch import nn
 
 from .errors import PorosConfigError
 from .options import PorosOptions
-from .prepare import AUTO, ENTRY_ATTR, get_store, prepare
+from .prepare import AUTO, CHECKPOINTING_MESSAGE, ENTRY_ATTR, get_store, prepare
 
 
 class PorosTrainer(transformers.Trainer):
@@ -116,6 +116,5 @@ def _check_args(args: transformers.TrainingArguments | None) -> None:
     if args.n_gpu > 1 or args.world_size > 1:
         raise PorosConfigError("PorosTrainer streams the base to one device from one process; "
                                f"got n_gpu={args.n_gpu}, world_size={args.world_size}")
-    if args.gradient_checkpointing:
-        raise PorosConfigError("leave gradient_checkpointing off: the poros backend already recomputes "
-                               "each block in the backward")
+    if args.gradient_checkpointing:  # the same refusal as prepare's and the backend's
+        raise PorosConfigError(CHECKPOINTING_MESSAGE.format(where=" (TrainingArguments.gradient_checkpointing=True)"))

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from . import attention
 from .compiler import ops
 from .errors import NoBlocksError, PorosConfigError
 from .families import Family, resolve
@@ -60,12 +61,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
     if device.type not in ("cpu", "cuda"):
         raise PorosConfigError(f"device must be 'cpu' or 'cuda', got {device}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise PorosConfigError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu' or device=None")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
@@ -124,14 +125,19 @@ def head_chunk_count(nbytes: int, rows: int, requested: int | None = None) -> in
 
 def prepare(model: nn.Module, device: str | torch.device | None = None, block_size: int = 1,
             prefetch: int | str = AUTO,
-            *, family: Family | None = None, head_chunks: int | None = None, codegen: str | None = None,
+            *, family: Family | str | None = None, head_chunks: int | None = None, codegen: str | None = None,
             regions: bool = True, _arena: HostArena | None = None) -> nn.Module:
     """Move the frozen base of ``model`` into a host store; returns ``model`` (changed in place).
 
-    ``device`` is the compute device (``None``: CUDA when present, else CPU). ``block_size`` decoder
-    layers are streamed together; ``prefetch`` blocks are loaded ahead of the one computing (``"auto"``:
+    ``device`` is the compute device (``None``: CUDA when present, else CPU); what is not frozen base
+    (the adapter's trainable parameters, with their gradients, and the buffers, e.g. rotary
+    ``inv_freq``) is moved there, as ``model.to(device)`` would move it (``unprepare`` leaves it
+    there). ``block_size`` decoder layers are streamed together; ``prefetch`` blocks are loaded ahead of the one computing (``"auto"``:
     one in the forward; the backward's depth comes from the forward's measured copy and compute times).
-    ``family`` registers an architecture that is not validated (``poros_fx.user_asserted(...)``).
+    ``family`` registers an architecture that is not validated (``poros_fx.user_asserted(...)``), or
+    names a validated one (``"qwen2"``, see ``poros_fx.VALIDATED``).
+    Gradient checkpointing must be off (``PorosConfigError`` otherwise): the backend recomputes each
+    block itself.
     ``head_chunks``: row chunks the lm_head weight is loaded in (``None``: one up to 512 MiB, chunks of
     about 256 MiB above, so a 32B/72B head, 1.6/2.5 GB in bf16, is never resident whole). Chunked, the
     logits are ``cat`` of per-chunk matmuls: exact against ``stream=False`` (same graph), but no longer
@@ -149,12 +155,10 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
         raise PorosConfigError("prepare the model before torch.compile: poros_fx.prepare(model) then torch.compile(model, backend='poros')")
     if get_store(model) is not None:
         raise PorosConfigError("model is already prepared; call poros_fx.unprepare(model) first to change its settings")
+    check_no_checkpointing(model)
     lm = causal_lm(model)
     config = getattr(lm, "config", None)
     fam = resolve(getattr(config, "model_type", None), family)
-    if not any(p.requires_grad for p in model.parameters()):
-        raise PorosConfigError("model has no trainable parameters: attach an adapter first "
-                               "(model = peft.get_peft_model(model, peft.LoraConfig(...))), then prepare it")
     try:
         layers = lm.get_submodule(fam.layers)
     except AttributeError:
@@ -162,11 +166,15 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise NoBlocksError(f"found no decoder layers at {type(lm).__name__}.{fam.layers}; poros-fx streams a model "
                             f"block by block and needs that list (family {fam.model_type!r} says it is there)")
+    _place_on_device(model, device)  # after every check above: a refused model is left where it was
 
     names = block_names(len(layers), block_size)
     store = HostStore(device=device, block_size=block_size, prefetch=prefetch, family=fam, block_names=names,
                       codegen=codegen or default_codegen(device))
     block_of = module_blocks(fam, len(layers), block_size)
+    attention_undo = attention.use(config)  # SDPA as eager calls it, also under torch.compile
+    if attention_undo is not None:
+        store.undo.append(attention_undo)
 
     reader_blocks: dict[int, set[int]] = {}
     owners: list[tuple[str, nn.Module, list[str]]] = []
@@ -251,7 +259,6 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
     """Each decoder layer gets a class whose forward is one ``poros::region`` call under torch.compile
     (``compiler/regions.py``), and the store a table of the regions traced from them."""
     from .compiler.regions import RegionTable, layer_forward
-    from .compiler.regions import state as regions_state
 
     store.regions = RegionTable(list(layers))
     hosts = {id(e.host) for e in store.entries.values()}
@@ -266,12 +273,7 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
         layer._poros_table = store.regions.handle
         layer._poros_layer = index
         layer._poros_device = store.device
-        # plain lists: Dynamo reads them far faster than named_parameters() (compiler/regions.py)
-        tensors = [t for _, t in regions_state(layer)]
-        layer._poros_own = [t for t in tensors if id(t) not in hosts]
-        layer._poros_hosts = [t for t in tensors if id(t) in hosts]
-        own, host = iter(range(len(tensors))), iter(range(len(tensors)))
-        layer._poros_layout = tuple(("host", next(host)) if id(t) in hosts else ("own", next(own)) for t in tensors)
+        _list_tensors(layer, hosts)
         block = _host_block(store, layer._poros_hosts)
         layer._poros_block = block
         layer._poros_block_views = None if block is None else tuple(
@@ -291,6 +293,77 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
                 layer.__dict__.pop(attr, None)
 
         store.undo.append(undo)
+    store.undo.append(_follow_adapters(store, hosts).remove)
+
+
+def _list_tensors(layer: nn.Module, hosts: set[int]) -> None:
+    """The layer's tensors as plain lists, in ``regions.state`` order: Dynamo reads them far faster than
+    ``named_parameters()`` (compiler/regions.py). Host tensors (``hosts``: their ids) are loaded."""
+    from .compiler.regions import state as regions_state
+
+    tensors = [t for _, t in regions_state(layer)]
+    layer._poros_own = [t for t in tensors if id(t) not in hosts]
+    layer._poros_hosts = [t for t in tensors if id(t) in hosts]
+    own, host = iter(range(len(tensors))), iter(range(len(tensors)))
+    layer._poros_layout = tuple(("host", next(host)) if id(t) in hosts else ("own", next(own)) for t in tensors)
+
+
+def _follow_adapters(store: HostStore, hosts: set[int]) -> Any:
+    """Keep the layers' tensor lists current when an adapter is attached after ``prepare`` (PEFT's
+    ``get_peft_model`` / ``PeftModel.from_pretrained`` / ``load_adapter`` on a prepared base): torch's
+    module, parameter and buffer registration hooks see every module or tensor set inside a decoder
+    layer. They run before the assignment, so the hook makes it first and then lists the layer again.
+    Also refuses PEFT's ``merge_and_unload`` (see ``_refuse_merge``). Returns a handle whose ``remove``
+    takes the hooks away (``unprepare``)."""
+    import torch.nn.modules.module as module_hooks
+    import weakref
+
+    layers = list(store.regions.layers)
+    store_ref = weakref.ref(store)
+    owner: dict[int, int] = {}  # id of every module inside a decoder layer -> the layer's index
+
+    def index_layer(index: int) -> None:
+        for module in layers[index].modules():
+            owner[id(module)] = index
+
+    for i in range(len(layers)):
+        index_layer(i)
+
+    def registered(module: nn.Module, name: str, value: Any, kind: str) -> None:
+        index = owner.get(id(module))
+        if index is None or store_ref() is None or getattr(layers[index], "_poros_table", None) is None:
+            return
+        if kind == "_modules":
+            _refuse_merge(module._modules.get(name), value)
+        getattr(module, kind)[name] = value  # what the registration is about to do (it does it again)
+        _list_tensors(layers[index], hosts)
+        index_layer(index)
+
+    handles = [
+        module_hooks.register_module_module_registration_hook(lambda m, n, v: registered(m, n, v, "_modules")),
+        module_hooks.register_module_parameter_registration_hook(lambda m, n, v: registered(m, n, v, "_parameters")),
+        module_hooks.register_module_buffer_registration_hook(lambda m, n, v: registered(m, n, v, "_buffers")),
+    ]
+
+    class Handle:
+        @staticmethod
+        def remove() -> None:
+            for handle in handles:
+                handle.remove()
+
+    return Handle()
+
+
+def _refuse_merge(old: nn.Module | None, new: nn.Module) -> None:
+    """PEFT's ``merge_and_unload`` merges each LoRA layer into its base weight and puts the base layer
+    in its place. On a prepared model the base weight a LoRA layer reads is a copy loaded from the host
+    store, so the merge lands in that copy and is lost: the model would silently run without the
+    adapter. Raise before the swap instead."""
+    if old is not None and getattr(old, "merged", False) and callable(getattr(old, "get_base_layer", None)) \
+            and old.get_base_layer() is new:
+        from .compiler.regions import MERGE_ERROR
+
+        raise PorosConfigError(MERGE_ERROR)
 
 
 def _host_block(store: HostStore, hosts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -540,3 +613,48 @@ def _linear4bit_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     quant_state = QuantState(absmax=absmax, shape=host_qs.shape, code=None, blocksize=host_qs.blocksize,
                              quant_type=host_qs.quant_type, dtype=host_qs.dtype, offset=offset, state2=state2)
     return bnb.matmul_4bit(x, packed.t(), bias=bias, quant_state=quant_state).to(inp_dtype)
+
+
+# -- checks and placement of what is not base (used by prepare, the backend, @step) --------------------
+
+CHECKPOINTING_MESSAGE = (
+    "gradient (activation) checkpointing is on{where}: poros already recomputes each block in the backward, "
+    "from its own reload of the base and with the forward's RNG state, and cannot nest a second recompute "
+    "(torch.utils.checkpoint) inside its graphs. Turn it off (model.gradient_checkpointing_disable(), or leave "
+    "TrainingArguments.gradient_checkpointing False); the activation memory stays one block's either way.")
+
+
+def checkpointing_modules(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` whose Hugging Face gradient checkpointing is switched on
+    (``gradient_checkpointing_enable()`` sets ``module.gradient_checkpointing = True`` on each layer)."""
+    return [name or type(m).__name__ for name, m in unwrap(model).named_modules()
+            if getattr(m, "gradient_checkpointing", False) is True]
+
+
+def check_no_checkpointing(model: nn.Module) -> None:
+    """Raise ``PorosConfigError`` when ``model`` has gradient checkpointing switched on."""
+    on = checkpointing_modules(model)
+    if on:
+        shown = ", ".join(on[:2]) + (f" and {len(on) - 2} more" if len(on) > 2 else "")
+        raise PorosConfigError(CHECKPOINTING_MESSAGE.format(where=f" ({shown})"))
+
+
+def _place_on_device(model: nn.Module, device: torch.device) -> None:
+    """Move what is not frozen base to ``device``: trainable parameters (their ``.data``, so the
+    Parameter objects, and an optimizer built on them, stay the same; their gradients too) and the
+    buffers. The frozen parameters go to the host store instead (prepare, below)."""
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is None or not param.requires_grad or param.device == device:
+                continue
+            grad, moved = param.grad, param.data.to(device)
+            if torch._has_compatible_shallow_copy_type(param.data, moved):  # CPU <-> CUDA, as Module._apply
+                param.data = moved
+            else:  # another tensor type (the meta device): swap the contents, the object stays the same
+                param.grad = None
+                torch.utils.swap_tensors(param, nn.Parameter(moved, requires_grad=True))
+            if grad is not None:
+                param.grad = grad.to(device)
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device:
+                module._buffers[name] = buf.to(device)

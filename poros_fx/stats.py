@@ -17,7 +17,8 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     Keys: ``peak_resident_base_bytes`` (most base bytes on the compute device at once),
     ``resident_base_bytes`` (now), ``block_bytes`` (list, per block: embed, layer blocks, head),
     ``block_names``, ``bytes_loaded``, ``loads`` (tensors), ``copies`` (host-to-device copy calls: one per
-    contiguous host range of a block), ``bytes_copied``, ``evictions``, ``recomputed_blocks``,
+    contiguous host range of a block), ``bytes_copied``, ``evictions``, ``eager_loads`` (of ``loads``: made
+    outside the poros graphs by ``poros::load`` itself, neither streamed nor recomputed), ``recomputed_blocks``,
     ``forward_runs``, ``backward_runs``, ``host_bytes`` (the base's bytes in the host store),
     ``pinned_host_bytes`` (page-locked bytes the store holds: its arena, within 512 bytes per tensor of
     ``host_bytes``; 0 on a CPU compute device), ``head_chunks`` (row chunks the lm_head is loaded in),

@@ -35,7 +35,7 @@ from torch import nn
 
 from .errors import PorosConfigError
 from .options import PorosOptions
-from .prepare import get_store, prepare
+from .prepare import AUTO, check_no_checkpointing, get_store, prepare
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -102,9 +102,11 @@ class PorosStep(Generic[P, R]):
         # drop entries of models that are gone (their wrappers went with them)
         for key in [k for k, (mod_ref, _, _) in self._compiled.items() if mod_ref() is None or k == id(module)]:
             del self._compiled[key]
-        if get_store(module) is None:
+        if get_store(module) is None:  # prepare's defaults, as every other surface has them
             prepare(module, device=self.device, block_size=self.options.get("block_size", 1),
-                    prefetch=self.options.get("prefetch", 1))
+                    prefetch=self.options.get("prefetch", AUTO))
+        else:  # prepare checked an unprepared model; this one may have had checkpointing switched on since
+            check_no_checkpointing(module)
         store = get_store(module)
         wrapper = torch.compile(module, backend="poros", options=dict(self.options))
         # written to __dict__ directly: nn.Module.__setattr__ would register the wrapper as a submodule.
@@ -206,7 +208,8 @@ def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, 
     ``@step`` or ``@step(accumulate=N, block_size=..., prefetch=..., stream=..., dump=..., codegen=...,
     device=...)``. ``block_size``, ``prefetch``, ``stream``, ``dump`` and ``codegen`` (``"inductor"`` |
     ``"eager"``) are the backend's ``options``; ``device`` (and
-    ``block_size`` / ``prefetch``) go to ``poros_fx.prepare`` for a model that is not prepared yet.
+    ``block_size`` / ``prefetch``) go to ``poros_fx.prepare`` for a model that is not prepared yet
+    (unset: prepare's defaults, ``block_size=1``, ``prefetch="auto"``).
     With ``accumulate=N`` the call takes a list of N micro-batches and returns the list of the N
     results; the function is called on each in order and the decorator does not rescale the loss.
 

@@ -29,7 +29,7 @@ from ..passes.rng import PHASE
 from .dump import Dumper
 from ..errors import PorosConfigError
 from ..options import PorosOptions
-from ..prepare import AUTO, ENTRY_ATTR
+from ..prepare import AUTO, CHECKPOINTING_MESSAGE, ENTRY_ATTR
 from ..runtime.depth import choose_prefetch
 from ..runtime.executor import GraphRuntime
 from ..runtime.store import HostStore
@@ -86,9 +86,20 @@ def _warn_inline_layers(gm: fx.GraphModule, store: HostStore, schedule: Schedule
                   "training)", stacklevel=2)
 
 
+def _check_no_checkpointing(gm: fx.GraphModule) -> None:
+    """Dynamo captures ``torch.utils.checkpoint`` (Hugging Face gradient checkpointing switched on after
+    ``prepare``, or the user's own) as a ``tag_activation_checkpoint`` call; its recompute tags would
+    fight the backend's own, so refuse it with the reason instead of a partitioner error."""
+    for module in gm.modules():
+        for n in module.graph.nodes if isinstance(module, fx.GraphModule) else ():
+            if isinstance(n.target, torch._ops.HigherOrderOperator) and "activation_checkpoint" in n.target.name():
+                raise PorosConfigError(CHECKPOINTING_MESSAGE.format(where=" (torch.utils.checkpoint in the captured step)"))
+
+
 def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """The backend. ``options``: ``block_size``, ``prefetch``, ``stream``, ``dump`` (see ``PorosOptions``)."""
     opts = PorosOptions.from_dict(options)
+    _check_no_checkpointing(gm)
     store = _find_store(example_inputs)
     if store is None:
         warnings.warn(UNPREPARED_WARNING, stacklevel=2)
@@ -155,7 +166,8 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
             if schedule.auto_prefetch and phase == "backward":
                 schedule.prefetch, schedule.prefetch_note = _measured_depth(store)
             schedule.runtime = GraphRuntime(store, schedule.stream, phase,
-                                            measure=schedule.auto_prefetch and phase == "forward")
+                                            measure=schedule.auto_prefetch and phase == "forward",
+                                            training=bool(schedule.blocks))  # one training step at a time
             if not schedule.blocks:  # an inference graph: no joint graph went through the partitioner
                 schedule.num_fwd_outputs = len(next(iter(graph.graph.find_nodes(op="output"))).args[0])
                 for inference_pass in INFERENCE_PASSES:

@@ -7,7 +7,10 @@ min-cut partitioner treat it like any other functional op: it can be tagged for 
 never saved for the backward, and its fake impl puts the result on the target device so fake-tensor
 propagation sees device tensors only. After partitioning, the residency pass replaces each call by
 the runtime's own load (ledger, cache, copy stream), so this eager impl only runs outside compiled
-graphs (for example when user code reads ``module.weight`` of a prepared model).
+graphs (for example when user code reads ``module.weight`` of a prepared model, or Dynamo ran part of a
+step eagerly); it books its copy in the model's ledger and warns once when that happens with grad
+enabled (``HostStore.on_eager``). ``poros::gather`` runs as itself inside the graphs too (its rows are
+an activation, not a base tensor held on the device), so only a call outside them is reported.
 """
 
 from __future__ import annotations
@@ -20,7 +23,21 @@ import torch
 @torch.library.custom_op("poros::load", mutates_args=())
 def load(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A device copy of a host-store tensor (always a new tensor, never a view of ``host``)."""
-    return host.to(device, copy=True)
+    out = host.to(device, copy=True)
+    store = _store_of(host)
+    if store is not None:
+        store.on_eager("poros::load", out)
+    return out
+
+
+def _store_of(host: torch.Tensor) -> Any:
+    """The host store ``host`` belongs to (a head chunk is a slice of its entry's tensor), or ``None``."""
+    from ..prepare import ENTRY_ATTR  # prepare imports this module
+
+    entry = getattr(host, ENTRY_ATTR, None)
+    if entry is None and host._base is not None:
+        entry = getattr(host._base, ENTRY_ATTR, None)
+    return None if entry is None else entry.store
 
 
 @load.register_fake
@@ -37,6 +54,9 @@ def gather(host: torch.Tensor, indices: torch.Tensor, device: torch.device) -> t
     only the rows a batch reads (a 72B's table is 2.5 GB; 512 rows of it are 8 MB). The values are
     the table's own bytes, as ``F.embedding`` on a device copy of the table gives them."""
     rows = host.index_select(0, indices.reshape(-1).to("cpu"))
+    store = _store_of(host)
+    if store is not None:
+        store.on_eager("poros::gather", None)
     return rows.view(*indices.shape, host.shape[1]).to(device)
 
 

@@ -2,7 +2,9 @@
 
 Every runtime load adds the bytes of the tensor it handed out, every evict removes them; the peak is
 taken after each load. Nothing here is derived from a formula: if a schedule keeps two blocks
-resident, the ledger sees two blocks. (A streamed group's tensors share one device buffer, freed with
+resident, the ledger sees two blocks. Loads made outside the poros graphs (``poros::load``'s own
+implementation: a prepared model called without ``torch.compile``, or code Dynamo ran eagerly) are
+booked too, also under ``eager_loads``, and evicted when autograd and the caller let go of the tensor. (A streamed group's tensors share one device buffer, freed with
 the last of them, so the device may hold up to one group's bytes more than the ledger says while a
 block's last tensors are still in use.)
 """
@@ -21,6 +23,7 @@ class ResidencyLedger:
     copies: int = 0  # host-to-device copy calls (a group's tensors share one per contiguous host range)
     bytes_copied: int = 0  # what those calls moved (a range may span a few bytes no load reads)
     evictions: int = 0
+    eager_loads: int = 0  # of ``loads``: made outside the poros graphs (neither streamed nor recomputed)
     recomputed_blocks: int = 0
     forward_runs: int = 0
     backward_runs: int = 0
@@ -30,6 +33,12 @@ class ResidencyLedger:
         self.bytes_loaded += nbytes
         self.resident_bytes += nbytes
         self.peak_resident_base_bytes = max(self.peak_resident_base_bytes, self.resident_bytes)
+
+    def on_eager_load(self, nbytes: int) -> None:
+        """A base tensor copied to the device by ``poros::load`` run eagerly (one copy of its own)."""
+        self.eager_loads += 1
+        self.on_load(nbytes)
+        self.on_copy(1, nbytes)
 
     def on_copy(self, calls: int, nbytes: int) -> None:
         self.copies += calls

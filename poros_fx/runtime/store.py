@@ -2,19 +2,29 @@
 
 ``prepare`` moves every frozen tensor here (a view of one exact-size host arena, page-locked when
 the compute device is CUDA) and remembers where it came from, so ``unprepare`` can put it back. The
-store also owns the model's residency ledger and, for ``stream=False`` graphs, the cache of device
-copies that stay resident.
+store also owns the model's residency ledger, the state of the step in flight (``StepState``: one
+step at a time) and, for ``stream=False`` graphs, the cache of device copies that stay resident.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import gc
+import warnings
+import weakref
 from typing import Any
 
 import torch
 
+from ..errors import PorosConfigError
 from .arena import HostArena, nbytes
 from .ledger import ResidencyLedger
+
+# schedules a store keeps (the most recent): one per graph the backend compiled, which grows only with
+# distinct input shapes (Dynamo recompiles at most ``recompile_limit``, 8 by default, per frame) and
+# with ``torch._dynamo.reset()``; a dropped schedule stays alive as long as its compiled graph runs
+SCHEDULES_KEPT = 32
 
 
 @dataclasses.dataclass(eq=False)
@@ -53,7 +63,11 @@ class HostStore:
     resident_cache: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)  # stream=False copies
     head_chunks: int = 1  # row chunks the lm_head weight is loaded in
     undo: list[Any] = dataclasses.field(default_factory=list)  # callables that reverse prepare, in order
-    schedules: list[Any] = dataclasses.field(default_factory=list)  # one per graph the backend compiled
+    # one per graph the backend compiled, the last SCHEDULES_KEPT of them
+    schedules: collections.deque[Any] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=SCHEDULES_KEPT))
+    steps: "StepState" = dataclasses.field(default_factory=lambda: StepState())  # the step in flight
+    eager_warned: bool = False  # on_eager's warning was given (once per prepared model)
     timing: dict[str, Any] | None = None  # the last measured forward run (prefetch "auto"; runtime/depth.py)
     codegen: str = "eager"  # how compiled regions run: "inductor" | "eager" (prepare's codegen)
     regions: Any = None  # compiler.regions.RegionTable of the decoder layers (None: layers traced inline)
@@ -136,3 +150,81 @@ class HostStore:
     def pinned_bytes(self) -> int:
         """Page-locked host bytes the store holds (the arena's exact size; 0 for a CPU compute device)."""
         return self.arena.pinned_bytes if self.arena is not None else 0
+
+    def on_eager(self, op: str, loaded: torch.Tensor | None) -> None:
+        """``op`` (``poros::load`` / ``poros::gather``) ran as the op's own implementation, not through a
+        graph's runtime: a prepared model called without ``torch.compile``, or code Dynamo ran eagerly (a
+        graph break, ``torch.compiler.disable``, the recompile limit). A loaded tensor is booked in the
+        ledger until it is freed; the first such call outside the poros graphs with grad enabled warns
+        (once per model): autograd keeps what it loads on the device until the backward."""
+        if loaded is not None:
+            size = nbytes(loaded)
+            self.ledger.on_eager_load(size)
+            weakref.finalize(loaded, self.ledger.on_evict, size)
+        if self.steps.running or not torch.is_grad_enabled() or self.eager_warned:
+            return  # inside a graph run: a gather the graph calls itself
+        self.eager_warned = True
+        why = ("the prepared model was called without torch.compile(model, backend='poros')" if not self.schedules
+               else "Dynamo ran part of the step eagerly (a graph break, torch.compiler.disable, or its recompile "
+               "limit: TORCH_LOGS=graph_breaks,recompiles says which), or the prepared model itself was called "
+               "instead of its torch.compile wrapper")
+        warnings.warn(f"{op} ran outside a poros graph (eager) with grad enabled: {why}. Base tensors loaded outside "
+                      "the poros graphs are not streamed or recomputed: autograd keeps them on the device until the "
+                      "backward (poros_fx.stats(model)['eager_loads'] counts them). Warned once per prepared model; "
+                      "under torch.no_grad() (evaluation, generation) eager calls are fine and not warned about.",
+                      stacklevel=2)
+
+
+@dataclasses.dataclass(eq=False)
+class StepState:
+    """One prepared model runs one step at a time. ``GraphRuntime`` (runtime/executor.py) calls ``begin``
+    and ``end`` around every run of a compiled graph of the model:
+
+    * a graph that starts while another graph of the model is running (a second thread) is refused;
+    * a training forward graph that starts again while its previous run still waits for a backward (no
+      backward of this model has started since, and that run's outputs are still alive, so it could still
+      get one) is refused. Gradient accumulation (forward, backward, forward, backward), a step split
+      into several graphs by graph breaks, and forwards under ``torch.no_grad()`` in between pass; a
+      forward whose outputs were dropped without a backward (an exception, a loss only logged) is
+      abandoned, not a step in flight.
+    """
+
+    running: int = 0  # graphs of this model running now
+    backwards: int = 0  # backward runs started so far
+
+    def begin(self, phase: str, training: bool, waiting: "PendingForward | None") -> None:
+        if self.running:
+            raise PorosConfigError("a compiled graph of this prepared model started while another one was still "
+                                   "running (two threads using one model?): one prepared model runs one step at a "
+                                   "time; give each thread its own model, or serialize the steps")
+        if phase == "backward":
+            self.backwards += 1
+        elif training and waiting is not None and waiting.backwards == self.backwards and waiting.alive():
+            raise PorosConfigError(
+                "a training forward of this prepared model started while its previous forward still waits for "
+                "its backward: one prepared model runs one step at a time. Call loss.backward() before the next "
+                "forward (gradient accumulation: forward, backward, forward, backward); run forwards that need "
+                "no gradient (evaluation, logging) under torch.no_grad(); to abandon the earlier forward, drop "
+                "its outputs (del loss, outputs); to train on several inputs with one backward, put them in one "
+                "batch.")
+        self.running += 1
+
+    def end(self) -> None:
+        self.running -= 1
+
+
+class PendingForward:
+    """A training forward run's outputs that live only as long as its autograd graph can still be
+    backwarded (the tensors it saved for the backward, its results), weakly; and the backward count
+    when it ran."""
+
+    def __init__(self, outputs: list[Any], inputs: set[int], backwards: int) -> None:
+        # an output that is one of the inputs (an adapter weight) lives on regardless: not a sign
+        self.refs = [weakref.ref(t) for t in outputs if isinstance(t, torch.Tensor) and id(t) not in inputs]
+        self.backwards = backwards
+
+    def alive(self) -> bool:
+        if not any(r() is not None for r in self.refs):
+            return False
+        gc.collect()  # a dropped autograd graph may sit in a reference cycle: only refuse what is really alive
+        return any(r() is not None for r in self.refs)

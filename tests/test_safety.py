@@ -1,0 +1,281 @@
+"""Never silently wrong (issue 13): each setup below either runs correctly or raises a clear error.
+
+Gradient checkpointing left on, the device ``prepare`` puts the adapter on, family names, the
+``@poros_fx.step`` prefetch default, one step at a time per prepared model, base loads outside the poros
+graphs, and varying sequence lengths.
+"""
+
+import gc
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import poros_fx
+from poros_fx.families import VALIDATED
+from poros_fx.prepare import get_store
+from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+
+
+def poros_error(excinfo: pytest.ExceptionInfo) -> BaseException | None:
+    """The ``PorosConfigError`` in a raised exception's chain (Dynamo wraps a backend's errors)."""
+    e: BaseException | None = excinfo.value
+    while e is not None and not isinstance(e, poros_fx.PorosConfigError):
+        e = e.__cause__ or getattr(e, "inner_exception", None)
+    return e
+
+
+def enable_checkpointing(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 renames it activation_checkpointing_enable
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def adapter_grads(model):
+    return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+# -- 1. gradient checkpointing --------------------------------------------------------------------------
+
+def test_checkpointing_on_at_prepare_is_refused():
+    model = tiny_lora_model(layers=1)
+    enable_checkpointing(model)
+    with pytest.raises(poros_fx.PorosConfigError, match="checkpointing is on .*gradient_checkpointing_disable"):
+        poros_fx.prepare(model, device="cpu")
+    assert get_store(model) is None
+    with torch.no_grad():  # refused before anything moved: the model still runs as it was
+        model(**demo_batches(1, seq=8)[0], use_cache=False)
+
+
+def test_checkpointing_switched_on_after_prepare_is_refused_by_the_backend():
+    """Without the check the step compiled (the layers traced inline under the checkpoint wrapper) or
+    failed in the partitioner; now the backend names the cause."""
+    model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
+    enable_checkpointing(model)
+    model.train()
+    with pytest.raises(Exception) as excinfo:
+        torch.compile(model, backend="poros")(**demo_batches(1, seq=8)[0], use_cache=False)
+    err = poros_error(excinfo)
+    assert err is not None and "torch.utils.checkpoint in the captured step" in str(err), excinfo.value
+
+
+def test_step_and_trainer_refuse_checkpointing(tmp_path):
+    from poros_fx.hf import PorosTrainer
+
+    @poros_fx.step
+    def train_step(model, batch):
+        model(**batch).loss.backward()
+
+    batch = demo_batches(1, seq=8)[0]
+    unprepared = tiny_lora_model(layers=1)
+    enable_checkpointing(unprepared)
+    with pytest.raises(poros_fx.PorosConfigError, match="checkpointing is on"):
+        train_step(unprepared, batch)
+    prepared = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
+    enable_checkpointing(prepared)
+    with pytest.raises(poros_fx.PorosConfigError, match="checkpointing is on"):
+        train_step(prepared, batch)  # refused before compiling
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises(poros_fx.PorosConfigError, match="checkpointing is on"):
+        PorosTrainer(model=unprepared, args=args)
+
+
+# -- 2. prepare puts what is not base on the compute device --------------------------------------------------
+
+def test_prepare_places_adapter_and_buffers_on_the_device():
+    """On this CPU machine the placement helper is run with the meta device as the target: the adapter's
+    parameters (the same objects, an optimizer keeps working) and gradients and every buffer move, the
+    frozen base stays for the host store."""
+    from poros_fx.prepare import _place_on_device
+
+    model = tiny_lora_model(layers=1)
+    model(**demo_batches(1, seq=8)[0], use_cache=False).loss.backward()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    _place_on_device(model, torch.device("meta"))
+    assert {n: p for n, p in model.named_parameters() if p.requires_grad} == trainable  # same objects
+    assert all(p.is_meta and p.grad.is_meta for p in trainable.values())
+    assert all(p.device.type == "cpu" for p in frozen.values())
+    buffers = dict(model.named_buffers())
+    assert any("inv_freq" in n for n in buffers) and all(b.is_meta for b in buffers.values())
+
+
+@pytest.mark.gpu
+def test_a_cpu_built_model_prepared_for_cuda_trains():
+    model = tiny_lora_model(layers=2)  # built on the CPU
+    poros_fx.prepare(model, device="cuda")
+    adapter = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.is_cuda for p in adapter)
+    assert all(b.is_cuda for b in model.buffers())  # rotary inv_freq (a dense base has no host buffers)
+    assert all(e.host.device.type == "cpu" for e in get_store(model).entries.values())
+    batch = {k: v.cuda() for k, v in demo_batches(1, seq=16)[0].items()}
+    step_model = torch.compile(model, backend="poros")
+    for _ in range(2):  # the backward runs on autograd's device thread: still one step at a time
+        step_model(**batch, use_cache=False).loss.backward()
+    assert all(p.grad is not None and p.grad.is_cuda for p in adapter)
+    loss = step_model(**batch, use_cache=False).loss
+    with pytest.raises(poros_fx.PorosConfigError, match="still waits for its backward"):
+        step_model(**batch, use_cache=False)
+    loss.backward()
+    s = poros_fx.stats(model)
+    assert s["backward_runs"] == 3 and s["eager_loads"] == 0 and s["resident_base_bytes"] == 0
+
+
+# -- 3. family by name ------------------------------------------------------------------------------------
+
+def test_family_by_name():
+    model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu", family="qwen2")
+    assert get_store(model).family is VALIDATED["qwen2"]
+    with pytest.raises(poros_fx.PorosConfigError, match=r"family='qwen-2' is not a registered family name.*'llama'"):
+        poros_fx.prepare(tiny_lora_model(layers=1), family="qwen-2")
+    with pytest.raises(poros_fx.UnsupportedArchitectureError, match="family 'llama' was given for a model of type 'qwen2'"):
+        poros_fx.prepare(tiny_lora_model(layers=1), family="llama")
+    with pytest.raises(poros_fx.PorosConfigError, match="family must be a family name"):
+        poros_fx.prepare(tiny_lora_model(layers=1), family=2)
+
+
+# -- 4. @poros_fx.step prepares with the same defaults as every surface ----------------------------------------
+
+def test_step_prepares_with_prefetch_auto():
+    @poros_fx.step
+    def train_step(model, batch):
+        model(**batch, use_cache=False).loss.backward()
+
+    model = tiny_lora_model(layers=1)
+    train_step(model, demo_batches(1, seq=8)[0])
+    assert poros_fx.stats(model)["prefetch"] == "auto"
+
+
+# -- 5. one step at a time ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "resident"])
+def test_one_step_at_a_time(stream):
+    model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
+    step_model = torch.compile(model, backend="poros", options={"stream": stream})
+    batch = demo_batches(1, seq=8)[0]
+    for _ in range(2):  # gradient accumulation: forward, backward, forward, backward
+        step_model(**batch, use_cache=False).loss.backward()
+    loss = step_model(**batch, use_cache=False).loss
+    with torch.no_grad():  # a forward without gradient in between is no second step
+        step_model(**batch, use_cache=False)
+    with pytest.raises(poros_fx.PorosConfigError, match="still waits for its backward: one prepared model runs "
+                                                        "one step at a time"):
+        step_model(**batch, use_cache=False)
+    loss.backward()  # the refused forward left nothing behind: the step in flight completes
+    loss = step_model(**batch, use_cache=False).loss
+    del loss  # abandoned (an exception, a loss only logged): the next forward is a new step
+    step_model(**batch, use_cache=False).loss.backward()
+    runs = poros_fx.stats(model)
+    assert runs["forward_runs"] == 6 and runs["backward_runs"] == 4
+
+
+def test_a_graph_running_refuses_another():
+    """Two threads on one model: a graph that starts while another graph of the model runs is refused
+    (simulated here by marking a run in progress, as ``GraphRuntime`` does)."""
+    model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
+    step_model = torch.compile(model, backend="poros")
+    batch = demo_batches(1, seq=8)[0]
+    step_model(**batch, use_cache=False).loss.backward()
+    steps = get_store(model).steps
+    steps.begin("backward", True, None)
+    try:
+        with pytest.raises(poros_fx.PorosConfigError, match="while another one was still running"):
+            step_model(**batch, use_cache=False)
+    finally:
+        steps.end()
+    step_model(**batch, use_cache=False).loss.backward()
+
+
+# -- 6. base loads outside the poros graphs -------------------------------------------------------------------
+
+def poros_warnings(caught):
+    return [str(w.message) for w in caught if "outside a poros graph" in str(w.message)]
+
+
+def test_eager_calls_are_booked_and_warned_once():
+    model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
+    batch = demo_batches(1, seq=8)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():  # generation, debugging: counted, not warned about
+            model(**batch, use_cache=False)
+        s = poros_fx.stats(model)
+        loads = s["eager_loads"]
+        assert loads == s["loads"] > 0 and s["resident_base_bytes"] == 0 and not poros_warnings(caught)
+        loss = model(**batch, use_cache=False).loss
+        s = poros_fx.stats(model)  # autograd keeps the loaded weights until the backward, and the ledger says so
+        assert s["eager_loads"] == 2 * loads and s["resident_base_bytes"] > 0
+        loss.backward()
+        del loss
+        gc.collect()
+        model(**batch, use_cache=False).loss.backward()
+    assert poros_fx.stats(model)["resident_base_bytes"] == 0
+    (message,) = poros_warnings(caught)  # once per model
+    assert "called without torch.compile" in message and "not streamed or recomputed" in message
+
+
+def test_a_step_partly_run_by_eager_is_booked_and_warned():
+    """The head under ``torch.compiler.disable``: Dynamo runs it eagerly between two poros graphs. Its
+    weight load is booked and warned about; the graphs' own loads and gathers are not warned about."""
+    model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
+    batch = demo_batches(1, seq=8)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="poros")(**batch, use_cache=False).loss.backward()
+    assert not poros_warnings(caught)
+    assert poros_fx.stats(model)["eager_loads"] == 0
+    torch._dynamo.reset()
+
+    reference = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
+    head = reference.get_base_model().lm_head
+    head.forward = torch.compiler.disable(head.forward)  # this module instance only
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(reference, backend="poros")(**batch, use_cache=False).loss.backward()
+    (message,) = poros_warnings(caught)
+    assert "Dynamo ran part of the step eagerly" in message
+    s = poros_fx.stats(reference)
+    assert s["eager_loads"] == 1 and s["resident_base_bytes"] == 0  # the head's weight, once, freed since
+
+
+# -- 7. varying sequence lengths ------------------------------------------------------------------------------
+
+def test_varying_lengths_stay_exact_and_schedules_do_not_pile_up():
+    """Streamed == stream=False step by step across sequence lengths; a store keeps one schedule per
+    graph the backend compiled, one per distinct length (a length seen before reuses its graph), and at
+    most ``SCHEDULES_KEPT`` of them."""
+    from poros_fx.runtime.store import SCHEDULES_KEPT
+
+    lengths = [8, 12, 8, 16, 12, 16, 8]
+    batches = [demo_batches(1, seq=s, seed=i)[0] for i, s in enumerate(lengths)]
+    runs = {}
+    for stream in (True, False):
+        model = poros_fx.prepare(tiny_lora_model(layers=1, dropout=0.1), device="cpu")
+        step_model = torch.compile(model, backend="poros", options={"stream": stream})
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        torch.manual_seed(0)
+        trace, compiled = [], []
+        for batch in batches:
+            loss = step_model(**batch, use_cache=False).loss
+            loss.backward()
+            trace.append((loss.detach(), adapter_grads(model)))
+            opt.step()
+            opt.zero_grad()
+            compiled.append(len(get_store(model).schedules))
+        assert compiled == [1, 2, 2, 3, 3, 3, 3]  # only a new length compiles
+        store = get_store(model)
+        assert len(store.regions.regions) == len(set(lengths))
+        assert store.schedules.maxlen == SCHEDULES_KEPT
+        runs[stream] = trace
+        torch._dynamo.reset()
+    for (loss, grads), (ref_loss, ref_grads) in zip(runs[True], runs[False], strict=True):
+        assert torch.equal(loss, ref_loss)
+        assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a build without CUDA")
+def test_cuda_on_a_cpu_build_is_a_clear_error():
+    model = tiny_lora_model("qwen2", layers=1)
+    with pytest.raises(poros_fx.PorosConfigError, match="torch sees no CUDA device"):
+        poros_fx.prepare(model, device="cuda")
