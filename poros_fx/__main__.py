@@ -18,10 +18,50 @@ import time
 import torch
 
 from . import prepare, stats
-from .prepare import parse_prefetch
+from .errors import PorosConfigError
+from .prepare import parse_prefetch, resolve_device
 from .families import VALIDATED
 from .tools.parity import SURFACES, compare, format_diffs, train
 from .tools.tiny import demo_batches, tiny_lora_model
+
+
+def _at_least(low: int) -> "argparse._TypeFunc":
+    """An argparse type: an integer >= ``low`` (argparse names the option and exits with code 2)."""
+
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {value}")
+        return value
+
+    return integer
+
+
+def _prefetch(text: str) -> int | str:
+    try:
+        return parse_prefetch(text)
+    except PorosConfigError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("prefetch ")) from None
+
+
+def _device(text: str) -> str:
+    try:
+        kind = torch.device(text).type
+    except RuntimeError:  # torch cannot parse it
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"must be cpu or cuda (or cuda:N), got {text!r}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r} was asked for but torch sees no CUDA device (torch "
+                                         f"{torch.__version__}); use --device cpu, or leave it out")
+    try:
+        resolve_device(text)
+    except PorosConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", default="qwen2", choices=sorted(VALIDATED))
     ap.add_argument("--nf4", action="store_true", help="quantize the base to bitsandbytes NF4 (QLoRA)")
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--accumulate", type=int, default=2)
-    ap.add_argument("--block-size", type=int, default=1)
-    ap.add_argument("--prefetch", type=parse_prefetch, default="auto", help="an integer >= 0, or auto (measured)")
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    ap.add_argument("--layers", type=_at_least(1), default=3, help="decoder layers (>= 1)")
+    ap.add_argument("--steps", type=_at_least(1), default=10, help="optimizer steps (>= 1)")
+    ap.add_argument("--accumulate", type=_at_least(1), default=2, help="micro-batches per optimizer step (>= 1)")
+    ap.add_argument("--block-size", type=_at_least(1), default=1, help="decoder layers per streamed block (>= 1)")
+    ap.add_argument("--prefetch", type=_prefetch, default="auto", help="an integer >= 0, or auto (measured)")
+    ap.add_argument("--device", type=_device, default=None, help="cpu or cuda (default: cuda when present)")
     ap.add_argument("--codegen", default=None, choices=["inductor", "eager"],
                     help="how the decoder-layer regions run (default: the device's, see prepare)")
     ap.add_argument("--out", default="poros-demo-adapter", help="folder for the PEFT adapter")

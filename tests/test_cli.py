@@ -70,3 +70,29 @@ def test_dump_without_training(tmp_path):
     folder = next(tmp_path.iterdir())
     assert (folder / "timeline.png").exists() and (folder / "schedule.txt").exists()
     assert "layers.0" in out and "head" in out
+
+
+def test_dump_takes_the_config_layers_and_trains_nf4_by_default(tmp_path):
+    """dump builds the config's layers unless --layers says otherwise, and quantizes as train and check do."""
+    tiny_config("llama", layers=3).save_pretrained(tmp_path / "cfg")
+    out = cli("dump", str(tmp_path / "cfg"), "--seq", "16", "--device", "cpu", "--out", str(tmp_path / "d")).stdout
+    assert "layers.2" in out and "for 3 layers, nf4" in out
+    region = (next((tmp_path / "d").iterdir()) / "regions" / "r0_forward.py").read_text()
+    assert "4bit" in region  # the decoder linears are NF4
+    out = cli("dump", str(tmp_path / "cfg"), "--layers", "1", "--quantization", "bf16", "--seq", "16", "--device",
+              "cpu", "--out", str(tmp_path / "e")).stdout
+    assert "for 1 layers, bf16" in out and "layers.1" not in out
+
+
+def test_small_sizes_are_readable(tmp_path):
+    tiny_config("qwen2", layers=2).save_pretrained(tmp_path)
+    out = cli("check", str(tmp_path)).stdout
+    assert "KiB" in out and "0.0 MiB" not in out and "0.00 GiB" not in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_refused_cleanly_without_cuda(tmp_path):
+    res = cli("train", "--from-config", "qwen2.5-0.5b", "--data", "demo", "--out", str(tmp_path / "a"), "--device",
+              "cuda", check=False)
+    assert res.returncode == 2 and "torch sees no CUDA device" in res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "a").exists()

@@ -75,6 +75,10 @@ def test_train_demo_from_config_adapter_loads_in_peft(tmp_path):
               "--steps", "3", "--lora-r", "4", "--lora-alpha", "8", "--target-modules", "q_proj,v_proj", *FAST)
     assert "step 1/3" in res.stdout and "step 3/3" in res.stdout and "(first step compiles)" in res.stdout
     assert "final loss" in res.stdout and "peak resident base" in res.stdout
+    # random weights: no export suggestion that cannot work, but what can be done instead
+    assert "no checkpoint for `poros-fx export` to merge it into" in res.stdout and "--base MODEL" not in res.stdout
+    assert f"poros-fx eval {tmp_path / 'cfg' / 'config.json'} --adapter {out}" in res.stdout
+    assert f"poros-fx train --resume {out}" in res.stdout
     assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
 
     saved = _lora_tensors(out)
@@ -211,3 +215,24 @@ def test_export_errors(model_dir, text_adapter, tmp_path):
     transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2", layers=2, vocab=VOCAB, hidden=32)).save_pretrained(other)
     with pytest.raises(ExportError, match="adapter trained on a different base"):
         export_merged(adapter, other, tmp_path / "out")
+
+
+def test_export_names_a_corrupt_adapter_in_one_line(model_dir, text_adapter, tmp_path):
+    import shutil
+
+    adapter, _ = text_adapter
+    broken = Path(shutil.copytree(adapter, tmp_path / "broken"))
+    weights = broken / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # a truncated copy
+    res = cli("export", str(broken), "--base", str(model_dir), "-o", str(tmp_path / "merged"), check=False)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(weights) in errors[0] and "truncated" in errors[0], res.stderr
+    assert not (tmp_path / "merged").exists()
+    # a header that parses but data safetensors refuses (a dtype code it does not know)
+    data = (adapter / "adapter_model.safetensors").read_bytes()
+    assert b'"dtype":"F32"' in data
+    weights.write_bytes(data.replace(b'"dtype":"F32"', b'"dtype":"Q32"', 1))
+    with pytest.raises(ExportError, match="adapter_model.safetensors: cannot read the adapter weights") as info:
+        export_merged(broken, model_dir, tmp_path / "merged2")
+    assert "\n" not in str(info.value)

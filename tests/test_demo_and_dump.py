@@ -1,5 +1,6 @@
 """The README's main job, the adapter it writes, and the graph dumps."""
 
+import pytest
 import torch
 
 import poros_fx
@@ -86,3 +87,47 @@ def test_compiling_says_where_it_is(caplog):
     assert "Dynamo captured" in text and "host tensors" in text
     assert "joint graph of" in text and "min-cut (recompute per block)" in text
     assert "partitioned in" in text and "forward" in text and "backward" in text
+
+
+def test_readme_snippet_runs_without_a_checkpoint():
+    """The README's first snippet defines everything it uses, and its no-checkpoint line (a tiny
+    ``from_config`` model) makes it run as written."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    assert "from poros_fx.tools.tiny import tiny_config" in code
+    tiny = re.search(r"#\s+model = (poros_fx\.from_config\(.*\))", code).group(1)
+    loaded = re.search(r"poros_fx\.load_pretrained\(.*lora=lora\)", code).group(0)
+    assert code.index("ids =") < code.index("input_ids=ids")
+    runnable = "from poros_fx.tools.tiny import tiny_config\n" + code.replace(loaded, tiny)
+    scope: dict = {}
+    exec(compile(runnable, "README.md", "exec"), scope)  # noqa: S102 (our own README)
+    assert torch.isfinite(scope["loss"]) and scope["loss"].requires_grad
+
+
+@pytest.mark.parametrize("args,option,says", [
+    (["--steps", "0"], "--steps", "must be an integer >= 1, got 0"),
+    (["--accumulate", "0"], "--accumulate", "must be an integer >= 1, got 0"),
+    (["--layers", "0"], "--layers", "must be an integer >= 1, got 0"),
+    (["--block-size", "-2"], "--block-size", "must be an integer >= 1, got -2"),
+    (["--steps", "ten"], "--steps", "got 'ten'"),
+    (["--prefetch", "-1"], "--prefetch", "must be an integer >= 0"),
+    (["--device", "tpu"], "--device", "must be cpu or cuda"),
+])
+def test_main_job_refuses_bad_options(args, option, says, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"python -m poros_fx: error: argument {option}: ") and says in err[-1], err
+    assert "parse_prefetch" not in err[-1] and "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a build or machine without CUDA")
+def test_main_job_refuses_cuda_without_cuda(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--device", "cuda"])
+    assert info.value.code == 2
+    assert "argument --device: 'cuda' was asked for but torch sees no CUDA device" in capsys.readouterr().err

@@ -215,16 +215,18 @@ def test_hub_id_resolves_from_the_local_cache_only(sharded, tmp_path):
 
 def test_arguments_are_checked_before_any_file_is_read(tmp_path):
     missing = tmp_path / "does-not-exist"
-    with pytest.raises(poros_fx.PorosConfigError, match=r"pass lora=peft.LoraConfig"):
-        load_pretrained(missing)
+    with pytest.raises(poros_fx.PorosConfigError, match=r"pass lora= .* or adapter= .*, not both"):
+        load(missing, adapter=tmp_path)
+    with pytest.raises(LoaderError, match="has no adapter_config.json"):  # the adapter, before the checkpoint
+        load_pretrained(missing, adapter=tmp_path)
     with pytest.raises(poros_fx.PorosConfigError, match="quantization must be 'nf4' or 'bf16'"):
         load(missing, "int8")
     with pytest.raises(poros_fx.PorosConfigError, match="lora must be a peft config"):
         load(missing, lora={"r": 4})
     with pytest.raises(poros_fx.PorosConfigError, match="block_size"):
         load(missing, block_size=0)
-    with pytest.raises(poros_fx.PorosConfigError, match=r"pass lora="):
-        from_config(tiny_config())
+    with pytest.raises(poros_fx.PorosConfigError, match=r"not both"):
+        from_config(tiny_config(), lora=lora_config(), adapter=tmp_path)
     with pytest.raises(poros_fx.PorosConfigError, match="not made by poros_fx.load_pretrained"):
         load_report(torch.nn.Linear(2, 2))
 

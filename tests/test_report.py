@@ -58,3 +58,13 @@ def test_report_names_a_chunked_head():
     model = tiny_lora_model("qwen2", layers=1)
     poros_fx.prepare(model, device="cpu", head_chunks=4)
     assert "lm_head in 4 row chunks of ~" in poros_fx.report(model)
+
+
+def test_small_sizes_are_readable():
+    from poros_fx.tools.report import format_bytes
+
+    assert [format_bytes(n) for n in (0, 512, 1536, 5 * 2**20 + 2**19, 3 * 2**30)] == [
+        "0 bytes", "512 bytes", "1.5 KiB", "5.5 MiB", "3.00 GiB"]
+    model = poros_fx.prepare(tiny_lora_model("qwen2", layers=1), device="cpu")
+    text = poros_fx.report(model)
+    assert "KiB" in text and "0.0 MiB" not in text

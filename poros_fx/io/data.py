@@ -311,3 +311,21 @@ def batches(dataset: TokenDataset, batch_size: int, count: int, seed: int) -> It
         take, order = order[:batch_size], order[batch_size:]
         index = torch.tensor(take)
         yield {"input_ids": dataset.input_ids[index], "labels": dataset.labels[index]}
+
+
+def eval_batches(dataset: TokenDataset, batch_size: int) -> Iterator[tuple[dict[str, torch.Tensor], int]]:
+    """Every row once, in order, ``batch_size`` rows per batch, each with its count of supervised tokens.
+
+    The last batch is filled up to ``batch_size`` with rows that have nothing to learn (labels all
+    ``IGNORE_INDEX``): they add no term to the loss, and every batch keeps one shape (one compile).
+    """
+    if batch_size < 1:
+        raise DataError(f"batch_size must be at least 1, got {batch_size}")
+    for start in range(0, dataset.rows, batch_size):
+        ids = dataset.input_ids[start:start + batch_size]
+        labels = dataset.labels[start:start + batch_size]
+        short = batch_size - ids.shape[0]
+        if short:
+            ids = torch.cat([ids, torch.zeros((short, ids.shape[1]), dtype=ids.dtype)])
+            labels = torch.cat([labels, torch.full((short, labels.shape[1]), IGNORE_INDEX, dtype=labels.dtype)])
+        yield {"input_ids": ids, "labels": labels}, int((labels[:, 1:] != IGNORE_INDEX).sum())

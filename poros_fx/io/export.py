@@ -41,11 +41,10 @@ from typing import Any, Callable
 import torch
 
 from ..errors import PorosError
-from .loader import TensorSpec, read_checkpoint_index, resolve_folder
+from .loader import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoaderError, TensorSpec, read_checkpoint_index,
+                     read_safetensors_header, resolve_folder)
 
 OUT_DTYPE = torch.bfloat16
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hub's customary shard size
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
@@ -175,6 +174,8 @@ def read_adapter(adapter_dir: Path, specs: dict[str, TensorSpec]) -> dict[str, L
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ExportError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{config_path}: not an adapter config (a JSON {type(config).__name__}, not an object)")
     if config.get("peft_type") != "LORA":
         raise ExportError(f"{config_path}: peft_type is {config.get('peft_type')!r}; export merges LoRA adapters only")
     unsupported = [k for k in ("use_dora", "lora_bias", "modules_to_save", "trainable_token_indices",
@@ -182,8 +183,11 @@ def read_adapter(adapter_dir: Path, specs: dict[str, TensorSpec]) -> dict[str, L
     if unsupported:
         raise ExportError(f"{config_path}: {', '.join(unsupported)} set; export merges plain LoRA pairs only (merge "
                           f"such an adapter with peft's merge_and_unload on a model that fits in memory)")
-    r = int(config["r"])
-    alpha = float(config["lora_alpha"])
+    try:
+        r = int(config["r"])
+        alpha = float(config["lora_alpha"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ExportError(f"{config_path}: no usable r / lora_alpha ({e!r}); a damaged adapter config?") from None
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
     rslora = bool(config.get("use_rslora"))
@@ -191,7 +195,15 @@ def read_adapter(adapter_dir: Path, specs: dict[str, TensorSpec]) -> dict[str, L
 
     from safetensors.torch import load_file
 
-    tensors = load_file(weights_path)  # small: the adapter only
+    try:
+        read_safetensors_header(weights_path)  # a truncated or corrupt file, named in one line
+        tensors = load_file(weights_path)  # small: the adapter only
+    except LoaderError as e:
+        raise ExportError(str(e)) from None
+    except Exception as e:  # safetensors' own errors (SafetensorError, OSError, ...): the file, in one line
+        raise ExportError(f"{weights_path}: cannot read the adapter weights ({type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no detail'}); re-save or "
+                          f"re-copy the adapter") from None
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         name = key.removeprefix(_PREFIX)

@@ -6,8 +6,8 @@ quantized to NF4 by bitsandbytes' own ``Params4bit`` path on the target device w
 linear, moved to host memory and set into its module. So at most one tensor (well under one decoder
 layer) is in flight, and the full-precision model never exists in host RAM or on the GPU. The
 non-persistent buffers (rotary ``inv_freq``) are recomputed on the CPU the way ``from_pretrained``
-does, tied embeddings are re-tied, the LoRA adapter is attached and the result goes through
-``poros_fx.prepare``.
+does, tied embeddings are re-tied, the LoRA adapter (a new one from ``lora=``, a saved one from ``adapter=``,
+or none) is attached and the result goes through ``poros_fx.prepare``.
 
 ``from_config`` does the same with random weights generated tensor by tensor from a seed, for
 benchmarks without a checkpoint.
@@ -55,6 +55,8 @@ REPORT_ATTR = "_poros_load_report"
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+ADAPTER_CONFIG = "adapter_config.json"  # a saved PEFT adapter (``adapter=``)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _MAX_HEADER = 100_000_000  # the safetensors format's own limit on the JSON header
 _FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
@@ -87,10 +89,11 @@ class LoadReport:
 def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization = "nf4",
                     device: str | torch.device | None = None, block_size: int = 1, prefetch: int | str = AUTO,
                     lora: "peft.PeftConfig | None" = None, family: Family | None = None, *,
+                    adapter: str | os.PathLike | None = None, trainable: bool = True,
                     revision: str | None = None, cache_dir: str | os.PathLike | None = None, progress: bool = True,
                     available_ram: int | Callable[[], int | None] | None = None,
                     head_chunks: int | None = None, codegen: str | None = None) -> nn.Module:
-    """Load a causal LM checkpoint tensor by tensor into a prepared poros-fx model with ``lora`` attached.
+    """Load a causal LM checkpoint tensor by tensor into a prepared poros-fx model, with an adapter or without.
 
     ``name_or_path``: a folder written by ``save_pretrained`` (``model.safetensors`` or sharded with
     ``model.safetensors.index.json``), or a hub id already in the local Hugging Face cache (never
@@ -98,12 +101,15 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
     linears in bitsandbytes NF4, double-quantized, blocksize 64, bf16 compute; the rest bf16) or
     ``"bf16"``. ``device``, ``block_size``, ``prefetch``, ``family``, ``head_chunks``, ``codegen`` are
     ``poros_fx.prepare``'s (``head_chunks=1`` keeps a 7B+ head whole, as an eager run computes it).
-    ``lora`` is required (a ``peft.LoraConfig``): poros-fx trains an adapter on a frozen base.
+    ``lora`` (a ``peft.LoraConfig``) attaches a new adapter to train; ``adapter`` (a folder written by
+    peft's ``save_pretrained`` or ``poros-fx train``) attaches a saved one, trainable or frozen
+    (``trainable``); they are mutually exclusive. With neither, the prepared base itself is returned (for
+    evaluation or inference, or to attach an adapter later with ``peft.PeftModel.from_pretrained``).
     ``available_ram`` overrides the reading of available host RAM (bytes, or a callable returning them).
     The model is returned in eval mode, as ``from_pretrained`` returns it; call ``model.train()`` to train.
     """
     started = time.perf_counter()
-    _check_args(quantization, lora, block_size, prefetch, codegen)
+    adapter_dir = _check_args(quantization, lora, block_size, prefetch, codegen, adapter, trainable)
     compute = resolve_device(device)
     folder = resolve_folder(name_or_path, revision=revision, cache_dir=cache_dir)
     config = _read_config(folder)
@@ -127,12 +133,14 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
     report = LoadReport(source=str(folder), quantization=quantization, device=str(compute), tensors=len(plan),
                         bytes_read=reader.bytes_read, host_bytes=host_bytes, peak_inflight_bytes=peak,
                         seconds=0.0)
-    return _finish(model, lora, compute, block_size, prefetch, family, report, started, arena, head_chunks, codegen)
+    return _finish(model, lora, adapter_dir, trainable, compute, block_size, prefetch, family, report, started, arena,
+                   head_chunks, codegen)
 
 
 def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", quantization: Quantization = "nf4",
                 device: str | torch.device | None = None, seed: int = 0, lora: "peft.PeftConfig | None" = None,
-                block_size: int = 1, prefetch: int | str = AUTO, family: Family | None = None, *, progress: bool = True,
+                block_size: int = 1, prefetch: int | str = AUTO, family: Family | None = None, *,
+                adapter: str | os.PathLike | None = None, trainable: bool = True, progress: bool = True,
                 available_ram: int | Callable[[], int | None] | None = None,
                 head_chunks: int | None = None, codegen: str | None = None) -> nn.Module:
     """Like ``load_pretrained`` with random-init weights instead of a checkpoint (benchmarks, no hub).
@@ -141,9 +149,11 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
     linear and embedding weights, ones for norm weights, zeros for biases), on the compute device, then
     quantized and stored like a loaded one. The same seed on the same device type gives the same weights,
     whatever the number of layers. ``config`` may also be a folder or cached hub id holding a config.json.
+    ``lora`` / ``adapter`` / ``trainable`` as in ``load_pretrained`` (an adapter trained on these random
+    weights fits them only: load it back with the same config and seed).
     """
     started = time.perf_counter()
-    _check_args(quantization, lora, block_size, prefetch, codegen)
+    adapter_dir = _check_args(quantization, lora, block_size, prefetch, codegen, adapter, trainable)
     compute = resolve_device(device)
     if not _is_config(config):
         config = _read_config(resolve_folder(config))
@@ -165,7 +175,8 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
     _rebuild_buffers(model, config)
     report = LoadReport(source=source, quantization=quantization, device=str(compute), tensors=len(jobs),
                         bytes_read=0, host_bytes=host_bytes, peak_inflight_bytes=peak, seconds=0.0)
-    return _finish(model, lora, compute, block_size, prefetch, family, report, started, arena, head_chunks, codegen)
+    return _finish(model, lora, adapter_dir, trainable, compute, block_size, prefetch, family, report, started, arena,
+                   head_chunks, codegen)
 
 
 def load_report(model: nn.Module) -> LoadReport:
@@ -395,26 +406,60 @@ def _check_quantization(quantization: Any) -> None:
         raise PorosConfigError(f"quantization must be 'nf4' or 'bf16', got {quantization!r}")
 
 
-def _check_args(quantization: Any, lora: Any, block_size: Any, prefetch: Any, codegen: Any = None) -> None:
-    """Everything that can be wrong with the arguments, raised before a byte is read."""
+def _check_args(quantization: Any, lora: Any, block_size: Any, prefetch: Any, codegen: Any = None,
+                adapter: Any = None, trainable: Any = True) -> Path | None:
+    """Everything that can be wrong with the arguments, raised before a byte is read; returns the adapter
+    folder (checked) when ``adapter`` is given."""
     _check_quantization(quantization)
     check_block_options(block_size, prefetch)
     check_codegen(codegen)
-    if lora is None:
-        raise PorosConfigError(
-            "pass lora=peft.LoraConfig(...): poros-fx trains an adapter on a frozen base, and a model without "
-            "trainable parameters cannot be prepared (e.g. lora=peft.LoraConfig(r=16, lora_alpha=32, "
-            "target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj']))")
-    import peft
+    if lora is not None and adapter is not None:
+        raise PorosConfigError("pass lora= (a new adapter to train) or adapter= (a saved one to load), not both")
+    if not isinstance(trainable, bool):
+        raise PorosConfigError(f"trainable must be True or False, got {trainable!r}")
+    if lora is not None:
+        import peft
 
-    if not isinstance(lora, peft.PeftConfig):
-        raise PorosConfigError(f"lora must be a peft config such as peft.LoraConfig(...), got {type(lora).__name__}")
+        if not isinstance(lora, peft.PeftConfig):
+            raise PorosConfigError(f"lora must be a peft config such as peft.LoraConfig(...), got "
+                                   f"{type(lora).__name__}")
     if quantization == "nf4":
         try:
             import bitsandbytes  # noqa: F401
         except ImportError:
             raise PorosConfigError("quantization='nf4' needs bitsandbytes (pip install bitsandbytes), or use "
                                    "quantization='bf16'") from None
+    return None if adapter is None else check_adapter(adapter)
+
+
+def check_adapter(adapter: str | os.PathLike) -> Path:
+    """The folder of a saved PEFT adapter, checked before anything is loaded: ``adapter_config.json`` is
+    JSON, ``adapter_model.safetensors`` is there (a pickled ``adapter_model.bin`` is refused, as pickle
+    checkpoints are) and its header fits the file (a truncated copy is named, not a traceback)."""
+    path = Path(adapter).expanduser()
+    if path.is_file():
+        raise LoaderError(f"{path} is a file; pass the adapter folder (the one holding {ADAPTER_CONFIG} and "
+                          f"{ADAPTER_WEIGHTS})")
+    folder = path if path.is_dir() else resolve_folder(adapter)  # a hub id already in the local cache
+    config_path = folder / ADAPTER_CONFIG
+    if not config_path.is_file():
+        raise LoaderError(f"{folder} has no {ADAPTER_CONFIG}; pass a folder written by peft's save_pretrained or "
+                          f"`poros-fx train --out`")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise LoaderError(f"{config_path}: not a valid adapter config ({e})") from None
+    weights = folder / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        if (folder / "adapter_model.bin").exists():
+            raise LoaderError(f"{folder} holds a pickled adapter (adapter_model.bin) and no {ADAPTER_WEIGHTS}; "
+                              f"poros-fx never unpickles (torch.load can run arbitrary code). Re-save it once, in an "
+                              f"environment you trust, with peft's save_pretrained (safetensors is its default)")
+        raise LoaderError(f"{folder} has no {ADAPTER_WEIGHTS} (an incomplete copy?)")
+    read_safetensors_header(weights)  # truncated or corrupt: a LoaderError naming the file
+    return folder
 
 
 def _is_config(obj: Any) -> bool:
@@ -663,18 +708,61 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
         warnings.warn(f"{folder / 'generation_config.json'} not used: {e}", stacklevel=3)
 
 
-def _finish(model: nn.Module, lora: Any, compute: torch.device, block_size: int, prefetch: int | str,
-            family: Family | None, report: LoadReport, started: float, arena: HostArena,
-            head_chunks: int | None, codegen: str | None) -> nn.Module:
+def _finish(model: nn.Module, lora: Any, adapter: Path | None, trainable: bool, compute: torch.device,
+            block_size: int, prefetch: int | str, family: Family | None, report: LoadReport, started: float,
+            arena: HostArena, head_chunks: int | None, codegen: str | None) -> nn.Module:
     import peft
 
     model.eval()  # as from_pretrained returns it
-    model = peft.get_peft_model(model, lora)
+    if lora is not None:
+        with quiet_peft():
+            model = peft.get_peft_model(model, lora)
+    elif adapter is not None:
+        # attached as trainable even when it is to be frozen: prepare moves every frozen parameter into the
+        # host store (whose exact size the loader fixed from the base alone); a frozen adapter stays a small
+        # device-resident tensor like a trainable one, and is frozen just after prepare
+        model = attach_adapter(model, adapter, trainable=True, source=report.source)
+    else:
+        model.requires_grad_(False)  # the base alone is frozen, as peft leaves it under an adapter
     _adapter_to(model, compute)
     prepare(model, device=compute, block_size=block_size, prefetch=prefetch, family=family, head_chunks=head_chunks,
             codegen=codegen, _arena=arena)
+    if adapter is not None and not trainable:
+        _freeze_adapter(model)
     setattr(model, REPORT_ATTR, dataclasses.replace(report, seconds=time.perf_counter() - started))
     return model
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Around peft's ``PeftModel(...)``: peft 0.21 reads ``model.is_gradient_checkpointing``, which
+    transformers 5 deprecated (a FutureWarning on every run that is not the user's to fix). Only that
+    warning, only inside this block; every other warning goes through."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def attach_adapter(model: nn.Module, adapter: str | os.PathLike, *, trainable: bool, source: str = "the model") -> nn.Module:
+    """``peft.PeftModel.from_pretrained(model, adapter, is_trainable=trainable)``, the adapter folder
+    checked first and peft's errors (an adapter made for another base) named with the folder."""
+    import peft
+
+    folder = check_adapter(adapter)
+    try:
+        with quiet_peft():
+            return peft.PeftModel.from_pretrained(model, folder, is_trainable=trainable)
+    except (ValueError, RuntimeError, KeyError, TypeError) as e:
+        raise LoaderError(f"{folder}: peft cannot attach this adapter to {source} ({str(e).strip().splitlines()[0]}); "
+                          f"was it trained on another base model?") from None
+
+
+def _freeze_adapter(model: nn.Module) -> None:
+    """A loaded adapter made read-only, as ``PeftModel.from_pretrained(..., is_trainable=False)`` leaves it
+    (the base is frozen already)."""
+    model.requires_grad_(False)
+    for cfg in getattr(model, "peft_config", {}).values():
+        cfg.inference_mode = True
 
 
 def _adapter_to(model: nn.Module, device: torch.device) -> None:

@@ -23,9 +23,24 @@ from ..errors import PorosConfigError
 from ..prepare import causal_lm, get_store, unwrap
 
 
+def format_bytes(n: int | float) -> str:
+    """A byte count readable at every size: ``1.50 GiB``, ``259.7 MiB``, ``12.3 KiB``, ``512 bytes`` (a tiny
+    test model's blocks are a few KiB, which ``0.0 MiB`` hid)."""
+    n = float(n)
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    if abs(n) >= 2**20:
+        return f"{n / 2**20:.1f} MiB"
+    if abs(n) >= 2**10:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{int(n)} bytes"
+
+
 def _adapter(model: nn.Module) -> str:
     configs = getattr(unwrap(model), "peft_config", None)
     if not configs:
+        if not any(p.requires_grad for p in unwrap(model).parameters()):
+            return "none (the base alone: evaluation or inference; attach one with peft.PeftModel.from_pretrained)"
         return "none found (trainable parameters without a PEFT config)"
     parts = []
     for name, cfg in configs.items():
@@ -34,7 +49,8 @@ def _adapter(model: nn.Module) -> str:
         parts.append(f"{kind} r={getattr(cfg, 'r', '?')} alpha={getattr(cfg, 'lora_alpha', '?')} "
                      f"dropout={getattr(cfg, 'lora_dropout', '?')} ({len(targets)} target modules)"
                      + ("" if name == "default" else f" [{name}]"))
-    return "; ".join(parts)
+    frozen = not any(p.requires_grad for p in unwrap(model).parameters())
+    return "; ".join(parts) + (" (frozen: evaluation or inference)" if frozen else "")
 
 
 def _precision(model: nn.Module) -> str:
@@ -52,8 +68,8 @@ def _ends(store) -> str:
     head = store.block_bytes()[-1]
     chunks = store.head_chunks
     return ("embedding rows gathered from the host store" if gathered else "embedding table loaded as a block") + (
-        f"; lm_head in {chunks} row chunks of ~{head / chunks / 2**20:.1f} MiB" if chunks > 1 else
-        f"; head block loaded whole ({head / 2**20:.1f} MiB)")
+        f"; lm_head in {chunks} row chunks of ~{format_bytes(head / chunks)}" if chunks > 1 else
+        f"; head block loaded whole ({format_bytes(head)})")
 
 
 def _layers(store) -> str:
@@ -82,8 +98,8 @@ def report(model: nn.Module) -> str:
         ("adapter", _adapter(model)),
         ("precision", _precision(model)),
         ("block_size", f"{store.block_size} (prefetch {store.prefetch}), {len(sizes)} blocks, largest "
-                       f"{max(sizes) / 2**20:.1f} MiB ({store.block_names[sizes.index(max(sizes))]})"),
-        ("host base", f"{store.host_bytes() / 2**20:.1f} MiB" + (" (pinned)" if store.pinned() else "")
+                       f"{format_bytes(max(sizes))} ({store.block_names[sizes.index(max(sizes))]})"),
+        ("host base", format_bytes(store.host_bytes()) + (" (pinned)" if store.pinned() else "")
          + f", compute device {store.device}"),
         ("ends", _ends(store)),
         ("layers", _layers(store)),

@@ -92,7 +92,10 @@ def lora_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = to
     torch.manual_seed(seed + 1)
     lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=lora_targets(config.model_type),
                            init_lora_weights="gaussian")
-    model = peft.get_peft_model(model, lora)
+    from ..io.loader import quiet_peft
+
+    with quiet_peft():  # peft's read of a property transformers deprecated (see quiet_peft)
+        model = peft.get_peft_model(model, lora)
     # a non-zero B so every adapter weight has a gradient from the first step
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed + 2)

@@ -1,0 +1,126 @@
+"""``poros-fx train --resume``, ``--save-every`` and Ctrl-C, through the installed script on a tiny config.
+
+The reference is always an uninterrupted run with the same settings: a resumed run must end with the
+same adapter, optimizer state, RNG state and per-step losses, bit for bit.
+"""
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cli_helper import SCRIPT, cli
+from safetensors import safe_open
+
+from poros_fx.tools.cli import STATE_FILE
+from poros_fx.tools.tiny import tiny_config
+
+# dropout > 0 so the RNG state matters; 2 micro-batches per step so the data position does
+FAST = ("--data", "demo", "--seq-len", "24", "--batch-size", "2", "--accumulate", "2", "--device", "cpu",
+        "--quantization", "bf16", "--lora-r", "4", "--lora-dropout", "0.1", "--log-every", "1")
+STEPS = 4
+
+
+def read(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    with safe_open(path, "pt") as f:
+        meta = f.metadata() or {}
+        return {k: f.get_tensor(k) for k in f.keys()}, meta  # noqa: SIM118 (safe_open is not a mapping)
+
+
+def state(folder: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, meta = read(folder / STATE_FILE)
+    return tensors, json.loads(meta["poros_fx_train_state"])
+
+
+def assert_equal_files(a: Path, b: Path) -> None:
+    ta, _ = read(a)
+    tb, _ = read(b)
+    assert ta.keys() == tb.keys() and ta
+    differ = [k for k in ta if not torch.equal(ta[k], tb[k])]
+    assert not differ, differ
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("cfg")
+    tiny_config("qwen2", layers=2).save_pretrained(folder)
+    return folder / "config.json"
+
+
+@pytest.fixture(scope="module")
+def whole(config_file, tmp_path_factory) -> tuple[Path, str]:
+    """The uninterrupted run, saving every 2 steps on the way."""
+    out = tmp_path_factory.mktemp("whole") / "adapter"
+    res = cli("train", "--from-config", str(config_file), "--out", str(out), "--steps", str(STEPS), "--save-every", "2",
+              *FAST)
+    return out, res.stdout
+
+
+def test_resume_is_bit_exact(config_file, whole, tmp_path):
+    reference, stdout = whole
+    assert f"step 2: adapter and resume state saved to {reference}/" in stdout  # --save-every 2
+    assert not list(reference.glob(".poros-save-*"))  # the temporary folder of each save is gone
+    out = tmp_path / "adapter"
+    cli("train", "--from-config", str(config_file), "--out", str(out), "--steps", "2", *FAST)
+    _, first = state(out)
+    assert first["step"] == 2 and len(first["losses"]) == 2
+    res = cli("train", "--resume", str(out), "--steps", str(STEPS), "--log-every", "1")  # nothing else repeated
+    assert "resuming after step 2" in res.stdout and "step 3/4" in res.stdout and "step 1/4" not in res.stdout
+
+    assert_equal_files(out / "adapter_model.safetensors", reference / "adapter_model.safetensors")
+    assert_equal_files(out / STATE_FILE, reference / STATE_FILE)  # adapter, AdamW moments and steps, RNG
+    (tensors, meta), (_, ref_meta) = state(out), state(reference)
+    assert meta["losses"] == ref_meta["losses"] and len(meta["losses"]) == STEPS  # per-step losses, exactly
+    assert meta["step"] == STEPS and meta["micro_batches"] == 2 * STEPS
+    assert any(k.startswith("optimizer/") and k.endswith("/exp_avg_sq") for k in tensors) and "rng/cpu" in tensors
+
+
+def test_resume_refusals(config_file, whole, tmp_path):
+    reference, _ = whole
+    res = cli("train", "--resume", str(reference), "--lr", "1e-3", "--seed", "3", check=False)
+    assert res.returncode == 2
+    assert "--lr 0.001 (the run has 0.0002)" in res.stderr and "--seed 3 (the run has 0)" in res.stderr
+    res = cli("train", "--resume", str(reference), check=False)
+    assert res.returncode == 2 and f"has finished its {STEPS} steps; pass --steps N" in res.stderr
+    res = cli("train", "--resume", str(tmp_path), check=False)
+    assert res.returncode == 2 and f"has no {STATE_FILE}, so it cannot be resumed" in res.stderr
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / STATE_FILE).write_bytes((reference / STATE_FILE).read_bytes()[:1000])
+    res = cli("train", "--resume", str(broken), check=False)
+    assert res.returncode == 2 and f"{broken / STATE_FILE}: truncated" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_ctrl_c_saves_the_last_finished_step(config_file, whole, tmp_path):
+    reference, _ = whole
+    out = tmp_path / "adapter"
+    proc = subprocess.Popen([str(SCRIPT), "train", "--from-config", str(config_file), "--out", str(out), "--steps",
+                             "500", *FAST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={"COLUMNS": "200", "PATH": str(SCRIPT.parent), "HF_HUB_OFFLINE": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        for line in proc.stdout:
+            if line.startswith("step 3/500") or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stdout + stderr
+    tensors, meta = state(out)
+    done = meta["step"]
+    assert 3 <= done < 500 and len(meta["losses"]) == done
+    assert f"interrupted: step {done}/500 saved to {out}/" in stderr and f"poros-fx train --resume {out}" in stderr
+    assert "Traceback" not in stderr
+    # what was saved is the uninterrupted run's state at that step (the data order does not depend on --steps)
+    _, ref_meta = state(reference)
+    n = min(done, STEPS)
+    assert meta["losses"][:n] == ref_meta["losses"][:n]
+    adapter, _ = read(out / "adapter_model.safetensors")
+    assert len(adapter) == sum(k.startswith("adapter/") for k in tensors)
+    if done == STEPS:
+        assert_equal_files(out / "adapter_model.safetensors", reference / "adapter_model.safetensors")
