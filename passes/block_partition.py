@@ -1,7 +1,10 @@
 """Block partition: give every node of the joint graph the block it belongs to (``meta["poros_block"]``).
 
 Forward nodes are placed by the decoder layer in their ``nn_module_stack``; nodes outside any layer
-belong to ``embed`` when they run before the first layer and to ``head`` after the last one. Backward
+belong to ``embed`` when they run before the first layer and to ``head`` after the last one. A
+graph piece whose module paths name no layer (Dynamo split the step at a graph break inside a decoder
+layer) is placed by the layers whose base tensors it loads (``_layers_from_loads``); one that loads
+none of a layer's is one block, ``no-layers``. Backward
 nodes are placed by ``fwd_nn_module_stack`` the same way; those without it (getitems, gradient
 accumulation) take the block of their first input that has one, else of the preceding backward node.
 
@@ -54,7 +57,7 @@ def _layer_of(stack: dict | None, pattern: re.Pattern) -> int | None:
 
 
 def block_partition(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
-    pattern = re.compile(rf"(?:^|\.){re.escape(schedule.layer_attr)}\.(\d+)(?:\.|$)")
+    pattern = re.compile(rf"(?:^|\.){re.escape(schedule.layer_attr)}\.(\d+)(?:\.|$| )")
     graph = gm.graph
     fwd = forward_nodes(graph, schedule.num_fwd_outputs)
     # an output of a forward op that only the backward reads (a region's saved tensors) is forward too
@@ -62,6 +65,10 @@ def block_partition(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     nodes = [n for n in graph.nodes if n.op == "call_function"]
     layer_of = {n: _layer_of(n.meta.get("nn_module_stack"), pattern) for n in nodes if n in fwd}
     layers = sorted({v for v in layer_of.values() if v is not None})
+    if not layers:
+        layer_of = _layers_from_loads(nodes, fwd, schedule, pattern)
+        layers = sorted({v for v in layer_of.values() if v is not None})
+        schedule.layers_from_loads = bool(layers)
     if not layers:
         # a piece of the step with no decoder layer (Dynamo split the step at a graph break): one block
         schedule.blocks = [Block(index=0, name="no-layers")]
@@ -107,6 +114,24 @@ def block_partition(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
             block.weights.append(name)
             block.nbytes += nbytes
     return gm
+
+
+def _layers_from_loads(nodes: list[fx.Node], fwd: set[fx.Node], schedule: Schedule,
+                       pattern: re.Pattern) -> dict[fx.Node, int | None]:
+    """Layers for a graph piece whose module paths do not name them (Dynamo split the step at a graph
+    break inside a decoder layer: the piece's root is the layer itself, or a frame below the layer list):
+    each forward node belongs to the layer whose base tensors were loaded last before it (a layer's
+    computation starts by loading them). Nodes before the first load of a layer have none."""
+    layer_of: dict[fx.Node, int | None] = {}
+    current = None
+    for n in nodes:
+        if n not in fwd:
+            continue
+        if n.target is LOAD:
+            m = pattern.search(schedule.load_source(n)[0])
+            current = int(m.group(1)) if m else current
+        layer_of[n] = current
+    return layer_of
 
 
 def _unshare_loads(graph: fx.Graph) -> None:

@@ -6,9 +6,9 @@ prefetch pass numbered alike) first get one ``load_group`` node that copies all 
 in one device buffer (one copy per contiguous host range, one copy-done event), and each load takes
 its tensor from it (``options={"group_copies": False}``: each load copies its own tensor, the
 runtime before grouping, kept to measure the two side by side). An ``evict`` follows the last
-reader of the loaded tensor and of every view of it, and the pass checks the structural promise: no
-loaded tensor (or view of one) leaves the forward graph, so the backward can only get base weights by
-loading them again. On CUDA, where loads run on the copy stream, a ``wait`` goes right before the
+reader of the loaded tensor and of every view of it, and the pass checks the structural promise:
+nothing computed from loaded tensors alone (a view, a cast, a dequantized weight) leaves the forward
+graph, so the backward can only get base weights by loading them again. On CUDA, where loads run on the copy stream, a ``wait`` goes right before the
 first reader, and every reader takes the tensor from it.
 
 Before (forward graph)::
@@ -55,6 +55,53 @@ def aliases(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+def computed_from_loads(graph: fx.Graph, loads: list[fx.Node]) -> list[fx.Node]:
+    """Every node computed from loaded base tensors alone (``loads``, their views, and what casts,
+    dequantizes or combines only those): base data in another form, never an activation."""
+    found = set(loads)
+    for n in graph.nodes:
+        if n.op != "call_function" or n in found:
+            continue
+        inputs = _nodes((n.args, n.kwargs))
+        if inputs and all(a in found for a in inputs):
+            found.add(n)
+    return [n for n in graph.nodes if n in found]
+
+
+def _nodes(value: object) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(value, out.append)
+    return out
+
+
+def check_no_base_leaves(graph: fx.Graph, loads: list[fx.Node], phase: str) -> None:
+    """The structural promise: nothing computed from loaded base tensors alone (a view, a cast, a
+    dequantized weight) is an output of a streamed graph, so the backward can only get base weights by
+    loading them again (a forward's outputs include what it saves for the backward)."""
+    output = next(iter(graph.find_nodes(op="output")))
+    leaving = [n for n in computed_from_loads(graph, loads)
+               if n in output.all_input_nodes and not isinstance(n.meta.get("val"), _SCALARS)]
+    if leaving:
+        n = leaving[0]
+        source = [ld.name for ld in loads if ld in _ancestors(n)]
+        raise PorosExactnessError(f"{phase} graph hands {n.name} ({n.target}), computed from the loaded base tensor(s) "
+                                  f"{', '.join(source[:4])} alone, to its output; the backward would keep base data "
+                                  "on the device instead of loading it again")
+
+
+_SCALARS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)  # sizes a graph may hand on
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, todo = set(), [node]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
+
+
 def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     phase = gm.meta[PHASE]
     runtime = schedule.runtime
@@ -62,6 +109,8 @@ def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     position = {n: i for i, n in enumerate(graph.nodes)}
     output = next(iter(graph.find_nodes(op="output")))
     loads = [n for n in graph.nodes if n.target is LOAD]
+    if schedule.stream:
+        check_no_base_leaves(graph, loads, phase)
     # the prefetch pass numbered each load's group (consecutive loads); one copy-done event per group
     groups: dict[object, list[fx.Node]] = {}
     for ld in loads:
@@ -81,9 +130,6 @@ def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
         if not schedule.stream:
             continue
         group = aliases(ld)
-        if output in {u for a in group for u in a.users}:
-            raise PorosExactnessError(f"{phase} graph hands the loaded base tensor {ld.name} (or a view of it) to its "
-                                      "output; the backward would keep a device copy of the base")
         last = max((u for a in group for u in a.users), key=position.__getitem__)
         first = min(ld.users, key=position.__getitem__)
         with graph.inserting_after(last):

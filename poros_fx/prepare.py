@@ -192,6 +192,10 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
             if not _gathers(module):  # a gathering embedding copies rows, not its table: no block load
                 readers.add(block_of(mod_name))
 
+    if not owners:
+        raise PorosConfigError("nothing to stream: every parameter of the model is trainable. poros-fx streams a frozen "
+                               "base: attach an adapter (peft.get_peft_model freezes the base) or freeze the base "
+                               "(model.requires_grad_(False)) before prepare")
     needed = _arena_bytes(owners)
     if _arena is not None and _arena.capacity < needed:  # the loader's arena, already holding the tensors
         raise AssertionError(f"the loader's host arena holds {_arena.capacity} bytes, prepare needs {needed}")

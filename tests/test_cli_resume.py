@@ -100,7 +100,10 @@ def test_ctrl_c_saves_the_last_finished_step(config_file, whole, tmp_path):
     out = tmp_path / "adapter"
     proc = subprocess.Popen([str(SCRIPT), "train", "--from-config", str(config_file), "--out", str(out), "--steps",
                              "500", *FAST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={"COLUMNS": "200", "PATH": str(SCRIPT.parent), "HF_HUB_OFFLINE": "1"})
+                            env={"COLUMNS": "200", "PATH": str(SCRIPT.parent), "HF_HUB_OFFLINE": "1"},
+                            # a shell that starts jobs in the background (CI) leaves SIGINT ignored, and
+                            # Python then never raises KeyboardInterrupt: give the child the default
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 300
         for line in proc.stdout:

@@ -34,11 +34,11 @@ def test_bad_backend_options(options, match):
         step_model(**demo_batches(1)[0], use_cache=False)
 
 
-def test_no_trainable_parameters():
+def test_nothing_frozen_is_refused_and_a_frozen_base_is_prepared():
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(layers=1))
-    model.requires_grad_(False)
-    with pytest.raises(poros_fx.PorosConfigError, match="attach an adapter first"):
+    with pytest.raises(poros_fx.PorosConfigError, match="nothing to stream: every parameter of the model is trainable"):
         poros_fx.prepare(model)
+    poros_fx.prepare(model.requires_grad_(False))  # a base without adapter: attach one after, or evaluate
 
 
 def test_unvalidated_architecture_names_validated_families():

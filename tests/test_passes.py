@@ -62,8 +62,43 @@ def test_residency_refuses_a_loaded_tensor_saved_for_the_backward():
     g.output((t,))  # a view of the loaded weight leaves the forward
     gm = fx.GraphModule(torch.nn.Module(), g)
     gm.meta[PHASE] = "forward"
-    with pytest.raises(PorosExactnessError, match="device copy of the base"):
+    with pytest.raises(PorosExactnessError, match="keep base data on the device"):
         residency(gm, _schedule())
+
+
+def test_residency_refuses_anything_computed_from_loads_alone_saved_for_the_backward():
+    """Not only views: a cast (or a dequantized weight) of loaded tensors is base data too; an
+    activation computed from a load and an input is not."""
+    import pytest
+
+    from poros_fx.errors import PorosExactnessError
+    from poros_fx.passes.residency import computed_from_loads, residency
+    from poros_fx.passes.rng import PHASE
+
+    def graph(leave_cast: bool) -> fx.GraphModule:
+        g = fx.Graph()
+        x = g.placeholder("x")
+        ld = g.call_function(LOAD, (g.placeholder("primals_1"), torch.device("cpu")))
+        scale = g.call_function(LOAD, (g.placeholder("primals_2"), torch.device("cpu")))
+        cast = g.call_function(torch.ops.aten._to_copy.default, (ld,), {"dtype": torch.float32})
+        weight = g.call_function(torch.ops.aten.mul.Tensor, (cast, scale))  # e.g. a dequantized weight
+        mm = g.call_function(torch.ops.aten.mm.default, (x, weight))
+        size = g.call_function(torch.ops.aten.sym_size.int, (weight, 0))
+        size.meta["val"] = 4
+        for n in g.nodes:
+            n.meta[BLOCK] = 1
+        g.output((mm, size, weight) if leave_cast else (mm, size))
+        gm = fx.GraphModule(torch.nn.Module(), g)
+        gm.meta[PHASE] = "forward"
+        return gm
+
+    gm = graph(leave_cast=False)
+    loads = [n for n in gm.graph.nodes if n.target is LOAD]
+    assert [n.name for n in computed_from_loads(gm.graph, loads)] == ["load_default", "load_default_1", "_to_copy_default", "mul_tensor",
+                                                                      "sym_size_int"]
+    residency(gm, _schedule())  # the matmul's output (an activation) and a size may leave
+    with pytest.raises(PorosExactnessError, match=r"hands mul_tensor .*load_default, load_default_1 alone"):
+        residency(graph(leave_cast=True), _schedule())
 
 
 def test_rng_refuses_an_unwrapped_recomputed_random_op_and_graphsafe_rng():

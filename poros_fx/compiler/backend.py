@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import re
 import time
 import warnings
 from typing import Any, Callable
@@ -33,6 +35,7 @@ from ..prepare import AUTO, CHECKPOINTING_MESSAGE, ENTRY_ATTR
 from ..runtime.depth import choose_prefetch
 from ..runtime.executor import GraphRuntime
 from ..runtime.store import HostStore
+from .ops import LOAD
 from .regions import REGION
 from .schedule import Schedule
 
@@ -84,6 +87,39 @@ def _warn_inline_layers(gm: fx.GraphModule, store: HostStore, schedule: Schedule
                   f"compiled regions ({schedule.codegen} codegen does not apply to them; compiling takes longer): a "
                   "layer was called with a value a region cannot take (a KV cache object: pass use_cache=False when "
                   "training)", stacklevel=2)
+
+
+def _warn_split_layers(gm: fx.GraphModule, store: HostStore, schedule: Schedule) -> None:
+    """Say where, and what it costs, when this graph is a piece of a step Dynamo split inside the
+    decoder layers (a graph break there): the pieces run one after the other, so no block of one is
+    prefetched during another, and a piece that names no layer loads all its base tensors as one block."""
+    if store.split_warned or not (schedule.layers_from_loads or schedule.blocks[0].name == "no-layers"):
+        return
+    if schedule.blocks[0].name == "no-layers" and not any(n.target is LOAD for n in gm.graph.nodes):
+        return  # a piece without base tensors (loss code, a tail): nothing streams in it anyway
+    store.split_warned = True
+    traces = [_source_line(n.meta["stack_trace"]) for n in gm.graph.nodes if n.meta.get("stack_trace")]
+    traces = [t for t in traces if t]
+    where = f" It starts at {traces[0]} and ends at {traces[-1]}." if traces else ""
+    cost = ("its layers are told apart by the base tensors they load" if schedule.layers_from_loads
+            else f"it is one block: its {len(schedule.blocks[0].weights)} base tensors are resident together")
+    warnings.warn(f"poros backend: Dynamo split the step inside the decoder layers (a graph break), so this graph is "
+                  f"one piece of it: no block is prefetched across pieces, and {cost}.{where} TORCH_LOGS=graph_breaks "
+                  "names the break; remove it (or keep regions=True, where a layer is one op) for full streaming. "
+                  "Warned once per prepared model.", stacklevel=2)
+
+
+def _source_line(stack_trace: str) -> str | None:
+    """``file.py:123 (function): code`` of the innermost frame of a node's stack trace."""
+    lines = stack_trace.strip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.strip().startswith("File ")]
+    if not frames:
+        return None
+    m = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', lines[frames[-1]])
+    if not m:
+        return None
+    code = lines[frames[-1] + 1].strip() if frames[-1] + 1 < len(lines) else ""
+    return f"{os.path.basename(m.group(1))}:{m.group(2)} ({m.group(3)}: {code})"
 
 
 def _check_no_checkpointing(gm: fx.GraphModule) -> None:
@@ -142,6 +178,8 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         for joint_pass in JOINT_PASSES:
             joint = joint_pass(joint, schedule)
             dumper.graph(joint, f"joint_{joint_pass.__name__}")
+        if store is not None:
+            _warn_split_layers(joint, store, schedule)
         partition = min_cut_rematerialization_partition if schedule.stream else default_partition
         # graph-safe RNG gives each random op a private generator: exact between forward and recompute
         # but not the stream eager draws from. The plain wrappers save and restore the global state.
@@ -166,13 +204,14 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
             if schedule.auto_prefetch and phase == "backward":
                 schedule.prefetch, schedule.prefetch_note = _measured_depth(store)
             schedule.runtime = GraphRuntime(store, schedule.stream, phase,
-                                            measure=schedule.auto_prefetch and phase == "forward",
-                                            training=bool(schedule.blocks))  # one training step at a time
+                                            measure=schedule.auto_prefetch and phase == "forward")
             if not schedule.blocks:  # an inference graph: no joint graph went through the partitioner
                 schedule.num_fwd_outputs = len(next(iter(graph.graph.find_nodes(op="output"))).args[0])
                 for inference_pass in INFERENCE_PASSES:
                     graph = inference_pass(graph, schedule)
                     dumper.graph(graph, f"{phase}_{inference_pass.__name__}")
+                if store is not None:
+                    _warn_split_layers(graph, store, schedule)
             for graph_pass in GRAPH_PASSES:
                 graph = graph_pass(graph, schedule)
                 dumper.graph(graph, f"{phase}_{graph_pass.__name__}")

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import PorosConfigError, PorosOOMError
 from .arena import ALIGN, nbytes
-from .store import HostStore, PendingForward
+from .store import HostStore
 
 RUN_GAP = 256 * 2**10  # host bytes a copy may span that no load reads, rather than start another copy
 
@@ -93,13 +93,10 @@ def plan_group(hosts: list[torch.Tensor]) -> GroupPlan:
 
 
 class GraphRuntime:
-    def __init__(self, store: HostStore | None, stream: bool, phase: str, measure: bool = False,
-                 training: bool = False) -> None:
+    def __init__(self, store: HostStore | None, stream: bool, phase: str, measure: bool = False) -> None:
         self.store = store
         self.stream = stream
         self.phase = phase
-        self.training = training  # a forward graph with a backward (not an inference graph)
-        self._waiting: PendingForward | None = None  # this forward's last run, until a backward starts
         self.overlap = stream and store is not None and store.device.type == "cuda"
         # time the first run's copies and blocks with CUDA events (prefetch "auto", runtime/depth.py)
         self.measure = measure and self.overlap
@@ -235,16 +232,11 @@ class GraphRuntime:
             if self.store is None:
                 return self._run(compiled, args)
             steps = self.store.steps
-            steps.begin(self.phase, self.training, self._waiting)  # one step at a time (runtime/store.py)
-            inputs = {id(a) for a in args} if self.training else set()  # the boxed graph frees its inputs as it goes
+            steps.begin()  # one graph of a model at a time (runtime/store.py)
             try:
-                out = self._run(compiled, args)
+                return self._run(compiled, args)
             finally:
                 steps.end()
-            if self.training:  # stream=False resident copies outlive every step: not a sign either
-                inputs.update(id(t) for t in self.store.resident_cache.values())
-                self._waiting = PendingForward(out, inputs, steps.backwards)
-            return out
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run

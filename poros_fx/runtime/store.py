@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import warnings
 import weakref
 from typing import Any
@@ -67,6 +66,7 @@ class HostStore:
     schedules: collections.deque[Any] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=SCHEDULES_KEPT))
     steps: "StepState" = dataclasses.field(default_factory=lambda: StepState())  # the step in flight
+    split_warned: bool = False  # the backend warned that Dynamo split the step inside the layers
     eager_warned: bool = False  # on_eager's warning was given (once per prepared model)
     timing: dict[str, Any] | None = None  # the last measured forward run (prefetch "auto"; runtime/depth.py)
     codegen: str = "eager"  # how compiled regions run: "inductor" | "eager" (prepare's codegen)
@@ -177,54 +177,25 @@ class HostStore:
 
 @dataclasses.dataclass(eq=False)
 class StepState:
-    """One prepared model runs one step at a time. ``GraphRuntime`` (runtime/executor.py) calls ``begin``
-    and ``end`` around every run of a compiled graph of the model:
+    """One prepared model runs one graph at a time. ``GraphRuntime`` (runtime/executor.py) calls ``begin``
+    and ``end`` around every run of a compiled graph of the model, and a graph that starts while another
+    graph of the model is running (a second thread on one model) is refused: the runtime's copy stream,
+    prefetch groups and ledger are the model's, not the thread's.
 
-    * a graph that starts while another graph of the model is running (a second thread) is refused;
-    * a training forward graph that starts again while its previous run still waits for a backward (no
-      backward of this model has started since, and that run's outputs are still alive, so it could still
-      get one) is refused. Gradient accumulation (forward, backward, forward, backward), a step split
-      into several graphs by graph breaks, and forwards under ``torch.no_grad()`` in between pass; a
-      forward whose outputs were dropped without a backward (an exception, a loss only logged) is
-      abandoned, not a step in flight.
+    Runs one after the other may interleave freely: a second forward before the first one's backward
+    (two losses with one backward, a graph piece Dynamo runs once per layer after a graph break) is
+    exact, because everything a forward hands its backward (boundary activations, RNG states) is that
+    call's own output, saved by autograd with it, and each run's loads end with the run.
     """
 
     running: int = 0  # graphs of this model running now
-    backwards: int = 0  # backward runs started so far
 
-    def begin(self, phase: str, training: bool, waiting: "PendingForward | None") -> None:
+    def begin(self) -> None:
         if self.running:
             raise PorosConfigError("a compiled graph of this prepared model started while another one was still "
                                    "running (two threads using one model?): one prepared model runs one step at a "
                                    "time; give each thread its own model, or serialize the steps")
-        if phase == "backward":
-            self.backwards += 1
-        elif training and waiting is not None and waiting.backwards == self.backwards and waiting.alive():
-            raise PorosConfigError(
-                "a training forward of this prepared model started while its previous forward still waits for "
-                "its backward: one prepared model runs one step at a time. Call loss.backward() before the next "
-                "forward (gradient accumulation: forward, backward, forward, backward); run forwards that need "
-                "no gradient (evaluation, logging) under torch.no_grad(); to abandon the earlier forward, drop "
-                "its outputs (del loss, outputs); to train on several inputs with one backward, put them in one "
-                "batch.")
         self.running += 1
 
     def end(self) -> None:
         self.running -= 1
-
-
-class PendingForward:
-    """A training forward run's outputs that live only as long as its autograd graph can still be
-    backwarded (the tensors it saved for the backward, its results), weakly; and the backward count
-    when it ran."""
-
-    def __init__(self, outputs: list[Any], inputs: set[int], backwards: int) -> None:
-        # an output that is one of the inputs (an adapter weight) lives on regardless: not a sign
-        self.refs = [weakref.ref(t) for t in outputs if isinstance(t, torch.Tensor) and id(t) not in inputs]
-        self.backwards = backwards
-
-    def alive(self) -> bool:
-        if not any(r() is not None for r in self.refs):
-            return False
-        gc.collect()  # a dropped autograd graph may sit in a reference cycle: only refuse what is really alive
-        return any(r() is not None for r in self.refs)
