@@ -35,7 +35,7 @@ class PorosTrainer(transformers.Trainer):
     """``transformers.Trainer`` with the model's forward compiled by the ``poros`` backend.
 
     ``poros_options``: the backend's ``options`` (``block_size``, ``prefetch``, ``stream``, ``dump``,
-    ``codegen``) plus ``device``, the compute device for ``poros_fx.prepare`` (default: ``args.device``). A model
+    ``codegen``, ``memory_budget``) plus ``device``, the compute device for ``poros_fx.prepare`` (default: ``args.device``). A model
     that is not prepared yet is prepared with ``device``, ``block_size`` and ``prefetch`` (default 1
     and ``"auto"``); a prepared one keeps its store, and ``block_size`` / ``prefetch`` here regroup the
     compiled graph only. Single process, single device.

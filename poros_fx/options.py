@@ -20,6 +20,8 @@ class PorosOptions:
     dump: str | None = None  # folder for graph dumps; POROS_FX_DUMP when not given
     group_copies: bool = True  # False: one copy (and allocation) per tensor instead of one per block; for A/B runs
     codegen: str | None = None  # "inductor" | "eager": how regions run; None: what prepare() was given
+    turnaround: bool = True  # a training forward's last blocks stay for the backward (False: evict and reload)
+    memory_budget: int | str | None = None  # device bytes the step may use ("24GB"); None: what prepare() was given
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "PorosOptions":
@@ -32,7 +34,10 @@ class PorosOptions:
         check_block_options(1 if opts.block_size is None else opts.block_size,
                             0 if opts.prefetch is None else opts.prefetch)
         check_codegen(opts.codegen)
-        for name in ("stream", "group_copies"):
+        from .runtime.budget import parse_size
+
+        parse_size(opts.memory_budget)
+        for name in ("stream", "group_copies", "turnaround"):
             if not isinstance(getattr(opts, name), bool):
                 raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")
         if opts.dump is None and os.environ.get(DUMP_ENV):

@@ -126,7 +126,8 @@ def head_chunk_count(nbytes: int, rows: int, requested: int | None = None) -> in
 def prepare(model: nn.Module, device: str | torch.device | None = None, block_size: int = 1,
             prefetch: int | str = AUTO,
             *, family: Family | str | None = None, head_chunks: int | None = None, codegen: str | None = None,
-            regions: bool = True, _arena: HostArena | None = None) -> nn.Module:
+            regions: bool = True, memory_budget: int | str | None = None,
+            _arena: HostArena | None = None) -> nn.Module:
     """Move the frozen base of ``model`` into a host store; returns ``model`` (changed in place).
 
     ``device`` is the compute device (``None``: CUDA when present, else CPU); what is not frozen base
@@ -147,8 +148,14 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     ``regions``: each decoder layer becomes one compiled region under ``torch.compile``, traced once per
     distinct layer structure (``compiler/regions.py``); ``False`` traces every layer into the step's
     graph (the path before regions, for an architecture the region tracer cannot take).
+    ``memory_budget``: device bytes the step may use (``"24GB"``, or an int); the first step streams
+    everything and measures its peak, then the blocks that fit in the rest stay resident (loaded once,
+    never reloaded; ``runtime/budget.py``). ``None``: stream every block, every step.
     """
     check_block_options(block_size, prefetch)
+    from .runtime.budget import parse_size
+
+    budget = parse_size(memory_budget)
     codegen = check_codegen(codegen)
     device = resolve_device(device)
     if hasattr(model, "_orig_mod"):
@@ -170,7 +177,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
 
     names = block_names(len(layers), block_size)
     store = HostStore(device=device, block_size=block_size, prefetch=prefetch, family=fam, block_names=names,
-                      codegen=codegen or default_codegen(device))
+                      codegen=codegen or default_codegen(device), memory_budget=budget)
     block_of = module_blocks(fam, len(layers), block_size)
     attention_undo = attention.use(config)  # SDPA as eager calls it, also under torch.compile
     if attention_undo is not None:

@@ -24,7 +24,10 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     ``host_bytes``; 0 on a CPU compute device), ``head_chunks`` (row chunks the lm_head is loaded in),
     ``pinned``, ``block_size``, ``prefetch``, ``device``, ``codegen`` (prepare's: how regions run unless
     ``options`` say otherwise), ``regions`` (per traced decoder-layer region: its name, the layers
-    that run it, and its trace and compile seconds per codegen; empty with ``regions=False``).
+    that run it, and its trace and compile seconds per codegen; empty with ``regions=False``),
+    ``memory_budget`` (bytes or ``None``) and ``residency_plan`` (``None`` until the first step of a model
+    with a budget; then the blocks kept resident, their bytes, the measured streamed peak, the predicted
+    peak and the base bytes copied per micro-batch with and without the plan; ``runtime/budget.py``).
     """
     store = get_store(model)
     if store is None:
@@ -35,7 +38,8 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     out.update(block_bytes=store.block_bytes(), block_names=list(store.block_names), host_bytes=store.host_bytes(),
                pinned=store.pinned(), pinned_host_bytes=store.pinned_bytes(),
                head_chunks=store.head_chunks, block_size=store.block_size, prefetch=store.prefetch,
-               device=str(store.device), codegen=store.codegen,
+               device=str(store.device), codegen=store.codegen, memory_budget=store.memory_budget,
+               residency_plan=store.plan.as_dict() if store.plan is not None else None,
                regions=[{"name": r.name, "layers": list(r.layers), "trace_s": round(r.trace_seconds, 3),
                          "compile_s": {k: round(v, 3) for k, v in r.compile_seconds.items()}}
                         for r in (store.regions.regions if store.regions is not None else [])])

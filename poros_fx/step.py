@@ -60,7 +60,8 @@ class PorosStep(Generic[P, R]):
 
     def __init__(self, fn: Callable[P, R], *, accumulate: int | None = None, block_size: int | None = None,
                  prefetch: int | str | None = None, stream: bool = True, dump: str | None = None,
-                 codegen: str | None = None, device: str | torch.device | None = None) -> None:
+                 codegen: str | None = None, device: str | torch.device | None = None,
+                 memory_budget: int | str | None = None) -> None:
         if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
             raise PorosConfigError(f"accumulate must be an integer >= 1 (micro-batches per call), got {accumulate!r}")
         options: dict[str, Any] = {"stream": stream}
@@ -72,6 +73,8 @@ class PorosStep(Generic[P, R]):
             options["dump"] = dump
         if codegen is not None:
             options["codegen"] = codegen
+        if memory_budget is not None:
+            options["memory_budget"] = memory_budget
         PorosOptions.from_dict(options)  # bad options raise here, at decoration, not at the first step
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -197,17 +200,20 @@ def step(fn: Callable[P, R], /) -> PorosStep[P, R]: ...
 @overload
 def step(*, accumulate: int | None = None, block_size: int | None = None, prefetch: int | str | None = None,
          stream: bool = True, dump: str | None = None, codegen: str | None = None,
-         device: str | torch.device | None = None) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
+         device: str | torch.device | None = None,
+         memory_budget: int | str | None = None) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
 
 
 def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, block_size: int | None = None,
          prefetch: int | str | None = None, stream: bool = True, dump: str | None = None, codegen: str | None = None,
-         device: str | torch.device | None = None) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
+         device: str | torch.device | None = None,
+         memory_budget: int | str | None = None) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
     """Decorate a training-step function so its model arguments are streamed by poros.
 
     ``@step`` or ``@step(accumulate=N, block_size=..., prefetch=..., stream=..., dump=..., codegen=...,
-    device=...)``. ``block_size``, ``prefetch``, ``stream``, ``dump`` and ``codegen`` (``"inductor"`` |
-    ``"eager"``) are the backend's ``options``; ``device`` (and
+    device=..., memory_budget=...)``. ``block_size``, ``prefetch``, ``stream``, ``dump``, ``codegen``
+    (``"inductor"`` | ``"eager"``) and ``memory_budget`` (``"24GB"``: blocks that fit stay resident,
+    ``runtime/budget.py``) are the backend's ``options``; ``device`` (and
     ``block_size`` / ``prefetch``) go to ``poros_fx.prepare`` for a model that is not prepared yet
     (unset: prepare's defaults, ``block_size=1``, ``prefetch="auto"``).
     With ``accumulate=N`` the call takes a list of N micro-batches and returns the list of the N
@@ -227,7 +233,7 @@ def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, 
     """
     def decorate(f: Callable[P, R]) -> PorosStep[P, R]:
         return PorosStep(f, accumulate=accumulate, block_size=block_size, prefetch=prefetch, stream=stream,
-                         dump=dump, codegen=codegen, device=device)
+                         dump=dump, codegen=codegen, device=device, memory_budget=memory_budget)
 
     if fn is not None:
         if not callable(fn):

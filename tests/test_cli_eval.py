@@ -11,7 +11,7 @@ from cli_helper import cli
 
 import poros_fx
 from poros_fx.io.data import IGNORE_INDEX, eval_batches, load_dataset
-from poros_fx.tools.cli import evaluate
+from poros_fx.tools.evaluation import evaluate
 from poros_fx.tools.tiny import TARGETS, tiny_config, tiny_lora_model
 
 VOCAB = 256

@@ -15,7 +15,7 @@ import torch
 from cli_helper import SCRIPT, cli
 from safetensors import safe_open
 
-from poros_fx.tools.cli import STATE_FILE
+from poros_fx.tools.run_state import STATE_FILE
 from poros_fx.tools.tiny import tiny_config
 
 # dropout > 0 so the RNG state matters; 2 micro-batches per step so the data position does

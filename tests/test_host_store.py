@@ -142,7 +142,7 @@ def test_a_block_is_one_copy_and_the_group_views_keep_host_alignment():
     runtime.load_group(hosts[:2], torch.device("cpu"), 1)
     assert len(runtime._plans) == 2
     # compiled: one copy per group (forward: embed's table is gathered, layers, head; backward: head, layers)
-    compiled = torch.compile(model, backend="poros")
+    compiled = torch.compile(model, backend="poros", options={"turnaround": False})  # every block twice
     batch = {"input_ids": torch.randint(0, 256, (1, 16)), "labels": torch.randint(0, 256, (1, 16))}
     poros_fx.stats(model, reset=True)
     compiled(**batch).loss.backward()
@@ -164,7 +164,7 @@ def test_per_tensor_copies_train_exactly_like_block_copies():
         model = tiny_lora_model("qwen2", layers=2, nf4=True, dtype=torch.bfloat16)
         # layers inline: every host tensor is a load of its own (a region loads its layer's block whole)
         poros_fx.prepare(model, device="cpu", regions=False)
-        compiled = torch.compile(model, backend="poros", options={"group_copies": group_copies})
+        compiled = torch.compile(model, backend="poros", options={"group_copies": group_copies, "turnaround": False})
         runs[group_copies] = train(model, compiled, batches, accumulate=2)
         s = poros_fx.stats(model)
         counts[group_copies] = (s["loads"], s["copies"])
@@ -185,7 +185,8 @@ def test_a_region_loads_its_layer_as_one_block():
     assert [e.blocks for e in blocks] == [(1,), (2,)]
     layer_bytes = sum(e.nbytes for e in store.tensors() if e.blocks == (1,))
     assert layer_bytes <= blocks[0].nbytes <= layer_bytes + 512 * 37  # the tensors and their alignment gaps
-    torch.compile(model, backend="poros")(**demo_batches(1)[0], use_cache=False).loss.backward()
+    torch.compile(model, backend="poros", options={"turnaround": False})(**demo_batches(1)[0],
+                                                                          use_cache=False).loss.backward()
     s = poros_fx.stats(model)
     assert s["loads"] == 2 * 2 + 2 * 2  # each layer's block, forward and recompute; the head's norm and weight too
     assert s["host_bytes"] == sum(e.nbytes for e in store.tensors())  # blocks are not counted twice

@@ -30,12 +30,25 @@ def test_peak_and_loads(block_size, prefetch, nf4):
     assert len(blocks) == 2 + 4 // block_size
     assert s["resident_base_bytes"] == 0, "everything loaded was evicted"
     assert 0 < s["peak_resident_base_bytes"] <= (1 + prefetch) * max(blocks)
-    # every decoder-layer and head weight twice per micro-batch (forward, recompute); the embedding table
-    # never: its rows are gathered from the host store
+    # every decoder-layer and head weight twice per micro-batch (forward, recompute), except the
+    # turn-around: the head (and with prefetch, the last layer block) stay from the forward's end into the
+    # backward, which starts with them; the embedding table never: its rows are gathered from the host store
     assert blocks[0] == 0
-    assert s["bytes_loaded"] == micro * 2 * sum(blocks)
+    turnaround = blocks[-1] + (blocks[-2] if prefetch >= 1 else 0)
+    assert s["bytes_loaded"] == micro * (2 * sum(blocks) - turnaround)
     assert s["recomputed_blocks"] == micro * (len(blocks) - 1)
     assert s["forward_runs"] == s["backward_runs"] == micro
+
+
+def test_without_turnaround_every_block_is_loaded_twice():
+    model = tiny_lora_model("qwen2", layers=4)
+    poros_fx.prepare(model, device="cpu", prefetch=1)
+    step_model = torch.compile(model, backend="poros", options={"turnaround": False})
+    step(model, step_model, demo_batches(1))
+    poros_fx.stats(model, reset=True)
+    step(model, step_model, demo_batches(2, seed=1))
+    s = poros_fx.stats(model)
+    assert s["bytes_loaded"] == 2 * 2 * sum(s["block_bytes"]) and s["resident_base_bytes"] == 0
 
 
 def test_peak_grows_with_prefetch():
@@ -107,7 +120,8 @@ def test_inference_streams_without_backward():
 
 def test_tied_embedding_is_gathered_then_loaded_by_the_head():
     """Qwen2.5-0.5B ties lm_head to the embedding: the embed block gathers rows of the table, the head
-    loads the whole table (forward and recompute), and no copy is kept between."""
+    loads the whole table (once: the forward's copy turns around into the backward), and nothing is
+    kept after the step."""
     model = tiny_lora_model("qwen2", layers=2, tie_word_embeddings=True)
     lm = model.get_base_model()
     assert lm.lm_head.weight is lm.model.embed_tokens.weight
@@ -117,4 +131,4 @@ def test_tied_embedding_is_gathered_then_loaded_by_the_head():
     assert s["resident_base_bytes"] == 0
     assert s["peak_resident_base_bytes"] <= max(s["block_bytes"])
     assert s["block_bytes"][0] == 0 and s["block_bytes"][-1] >= lm.model.embed_tokens.weight.nbytes
-    assert s["bytes_loaded"] == 2 * sum(s["block_bytes"])
+    assert s["bytes_loaded"] == 2 * sum(s["block_bytes"]) - s["block_bytes"][-1]

@@ -122,6 +122,19 @@ def _source_line(stack_trace: str) -> str | None:
     return f"{os.path.basename(m.group(1))}:{m.group(2)} ({m.group(3)}: {code})"
 
 
+def _turnaround(schedule: Schedule, phase: str, store_head_chunks: int) -> frozenset[int]:
+    """The blocks a training forward leaves on the device for its backward, which starts with them: the
+    head, and with prefetch >= 1 the last layer block too (the forward's window at its end holds both,
+    so the peak bound (1 + prefetch) x largest block still holds); none when the head is loaded in row
+    chunks (it would be resident whole). ``options={"turnaround": False}``: none (for A/B runs)."""
+    if phase != "forward" or not schedule.stream or not schedule.options.turnaround or len(schedule.blocks) < 3:
+        return frozenset()
+    if store_head_chunks > 1:  # a chunked head is never resident whole, not even across the turn
+        return frozenset()
+    head = len(schedule.blocks) - 1
+    return frozenset({head, head - 1} if schedule.prefetch >= 1 else {head})
+
+
 def _check_no_checkpointing(gm: fx.GraphModule) -> None:
     """Dynamo captures ``torch.utils.checkpoint`` (Hugging Face gradient checkpointing switched on after
     ``prepare``, or the user's own) as a ``tag_activation_checkpoint`` call; its recompute tags would
@@ -153,6 +166,13 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         codegen=opts.codegen or (store.codegen if store else "eager"),
     )
     if store is not None:
+        if opts.memory_budget is not None:  # the option wins over prepare's; a new budget plans anew
+            from ..runtime.budget import parse_size
+
+            budget = parse_size(opts.memory_budget)
+            if budget != store.memory_budget:
+                store.forget_plan()
+                store.memory_budget = budget
         store.schedules.append(schedule)
         _warn_inline_layers(gm, store, schedule)
     primals = (f"primals_{i}" for i in itertools.count(1))
@@ -203,8 +223,12 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
             graph.meta[PHASE] = phase
             if schedule.auto_prefetch and phase == "backward":
                 schedule.prefetch, schedule.prefetch_note = _measured_depth(store)
+            turnaround = _turnaround(schedule, phase, store.head_chunks if store else 1)
+            if phase == "forward":
+                schedule.turnaround = turnaround
             schedule.runtime = GraphRuntime(store, schedule.stream, phase,
-                                            measure=schedule.auto_prefetch and phase == "forward")
+                                            measure=schedule.auto_prefetch and phase == "forward",
+                                            turnaround=turnaround)
             if not schedule.blocks:  # an inference graph: no joint graph went through the partitioner
                 schedule.num_fwd_outputs = len(next(iter(graph.graph.find_nodes(op="output"))).args[0])
                 for inference_pass in INFERENCE_PASSES:

@@ -84,6 +84,7 @@ class Schedule:
     prefetch: int
     stream: bool
     layer_attr: str = "layers"
+    turnaround: frozenset = frozenset()  # blocks whose forward copies the backward takes over (no evict, no reload)
     layers_from_loads: bool = False  # module paths named no layer (a graph break inside one): placed by loads
     num_fwd_outputs: int = 0  # joint graph outputs that belong to the forward
     blocks: list[Block] = dataclasses.field(default_factory=list)

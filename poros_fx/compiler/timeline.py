@@ -85,9 +85,11 @@ def build(schedule: Schedule) -> Timeline:
             # tangents: on the device from the start of the backward until their last use
             if n.op == "placeholder" and phase == "backward" and not n.name.startswith("primals_"):
                 hold(n, i)
-            if _is(n, GraphRuntime.load):
+            # a turn-around block's forward copy is not evicted; the backward takes it over, no load
+            turned = n.meta.get(BLOCK, n.args[2] if _is(n, GraphRuntime.load) else -1) in schedule.turnaround
+            if _is(n, GraphRuntime.load) and not (turned and phase == "backward"):
                 loads.append((n.args[2], pos))
-            elif _is(n, GraphRuntime.evict):
+            elif _is(n, GraphRuntime.evict) and not (turned and phase == "forward"):
                 evicts.append((n.meta.get(BLOCK, -1), pos))
             if _allocates(n) or _is(n, GraphRuntime.load):
                 hold(n, i)  # a forward value saved for the backward lives until the forward's output

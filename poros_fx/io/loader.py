@@ -36,6 +36,7 @@ from torch import nn
 
 from ..errors import PorosConfigError, PorosError
 from ..families import Family, resolve
+from ..runtime.budget import parse_size
 from ..prepare import AUTO, check_block_options, check_codegen, prepare, quant_state_tensors, resolve_device, set_quant_state, unwrap
 from ..runtime.arena import HostArena, aligned, nbytes
 from .sizes import nf4_bytes
@@ -92,14 +93,15 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
                     adapter: str | os.PathLike | None = None, trainable: bool = True,
                     revision: str | None = None, cache_dir: str | os.PathLike | None = None, progress: bool = True,
                     available_ram: int | Callable[[], int | None] | None = None,
-                    head_chunks: int | None = None, codegen: str | None = None) -> nn.Module:
+                    head_chunks: int | None = None, codegen: str | None = None,
+                    memory_budget: int | str | None = None) -> nn.Module:
     """Load a causal LM checkpoint tensor by tensor into a prepared poros-fx model, with an adapter or without.
 
     ``name_or_path``: a folder written by ``save_pretrained`` (``model.safetensors`` or sharded with
     ``model.safetensors.index.json``), or a hub id already in the local Hugging Face cache (never
     downloaded; ``revision``/``cache_dir`` select the snapshot). ``quantization``: ``"nf4"`` (decoder
     linears in bitsandbytes NF4, double-quantized, blocksize 64, bf16 compute; the rest bf16) or
-    ``"bf16"``. ``device``, ``block_size``, ``prefetch``, ``family``, ``head_chunks``, ``codegen`` are
+    ``"bf16"``. ``device``, ``block_size``, ``prefetch``, ``family``, ``head_chunks``, ``codegen``, ``memory_budget`` are
     ``poros_fx.prepare``'s (``head_chunks=1`` keeps a 7B+ head whole, as an eager run computes it).
     ``lora`` (a ``peft.LoraConfig``) attaches a new adapter to train; ``adapter`` (a folder written by
     peft's ``save_pretrained`` or ``poros-fx train``) attaches a saved one, trainable or frozen
@@ -110,6 +112,7 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
     """
     started = time.perf_counter()
     adapter_dir = _check_args(quantization, lora, block_size, prefetch, codegen, adapter, trainable)
+    parse_size(memory_budget)  # before a byte is read
     compute = resolve_device(device)
     folder = resolve_folder(name_or_path, revision=revision, cache_dir=cache_dir)
     config = _read_config(folder)
@@ -134,7 +137,7 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
                         bytes_read=reader.bytes_read, host_bytes=host_bytes, peak_inflight_bytes=peak,
                         seconds=0.0)
     return _finish(model, lora, adapter_dir, trainable, compute, block_size, prefetch, family, report, started, arena,
-                   head_chunks, codegen)
+                   head_chunks, codegen, memory_budget)
 
 
 def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", quantization: Quantization = "nf4",
@@ -142,7 +145,8 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
                 block_size: int = 1, prefetch: int | str = AUTO, family: Family | None = None, *,
                 adapter: str | os.PathLike | None = None, trainable: bool = True, progress: bool = True,
                 available_ram: int | Callable[[], int | None] | None = None,
-                head_chunks: int | None = None, codegen: str | None = None) -> nn.Module:
+                head_chunks: int | None = None, codegen: str | None = None,
+                    memory_budget: int | str | None = None) -> nn.Module:
     """Like ``load_pretrained`` with random-init weights instead of a checkpoint (benchmarks, no hub).
 
     Each tensor is generated on its own from ``seed`` and its name (normal(0, ``initializer_range``) for
@@ -154,6 +158,7 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
     """
     started = time.perf_counter()
     adapter_dir = _check_args(quantization, lora, block_size, prefetch, codegen, adapter, trainable)
+    parse_size(memory_budget)  # before a byte is read
     compute = resolve_device(device)
     if not _is_config(config):
         config = _read_config(resolve_folder(config))
@@ -176,7 +181,7 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
     report = LoadReport(source=source, quantization=quantization, device=str(compute), tensors=len(jobs),
                         bytes_read=0, host_bytes=host_bytes, peak_inflight_bytes=peak, seconds=0.0)
     return _finish(model, lora, adapter_dir, trainable, compute, block_size, prefetch, family, report, started, arena,
-                   head_chunks, codegen)
+                   head_chunks, codegen, memory_budget)
 
 
 def load_report(model: nn.Module) -> LoadReport:
@@ -710,7 +715,8 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
 
 def _finish(model: nn.Module, lora: Any, adapter: Path | None, trainable: bool, compute: torch.device,
             block_size: int, prefetch: int | str, family: Family | None, report: LoadReport, started: float,
-            arena: HostArena, head_chunks: int | None, codegen: str | None) -> nn.Module:
+            arena: HostArena, head_chunks: int | None, codegen: str | None,
+            memory_budget: int | str | None = None) -> nn.Module:
     import peft
 
     model.eval()  # as from_pretrained returns it
@@ -724,9 +730,10 @@ def _finish(model: nn.Module, lora: Any, adapter: Path | None, trainable: bool, 
         model = attach_adapter(model, adapter, trainable=True, source=report.source)
     else:
         model.requires_grad_(False)  # the base alone is frozen, as peft leaves it under an adapter
-    _adapter_to(model, compute)
+    # prepare moves the adapter and the buffers (rotary ``inv_freq``) to ``compute``, as in a model built
+    # there, and takes the frozen base from the host into its store
     prepare(model, device=compute, block_size=block_size, prefetch=prefetch, family=family, head_chunks=head_chunks,
-            codegen=codegen, _arena=arena)
+            codegen=codegen, memory_budget=memory_budget, _arena=arena)
     if adapter is not None and not trainable:
         _freeze_adapter(model)
     setattr(model, REPORT_ATTR, dataclasses.replace(report, seconds=time.perf_counter() - started))
@@ -763,18 +770,6 @@ def _freeze_adapter(model: nn.Module) -> None:
     model.requires_grad_(False)
     for cfg in getattr(model, "peft_config", {}).values():
         cfg.inference_mode = True
-
-
-def _adapter_to(model: nn.Module, device: torch.device) -> None:
-    """Trainable parameters (the adapter) and buffers (rotary ``inv_freq``) live on the compute device, as
-    in a model built there; the frozen base stays on the host for ``prepare`` to take into its store."""
-    for module in model.modules():
-        for p in module._parameters.values():
-            if p is not None and p.requires_grad and p.device != device:
-                p.data = p.data.to(device)
-        for name, b in module._buffers.items():
-            if b is not None and b.device != device:
-                module._buffers[name] = b.to(device)
 
 
 # -- random init (from_config) ----------------------------------------------------------------------

@@ -34,6 +34,7 @@ import torch
 
 from ..errors import PorosConfigError, PorosOOMError
 from .arena import ALIGN, nbytes
+from . import budget
 from .store import HostStore
 
 RUN_GAP = 256 * 2**10  # host bytes a copy may span that no load reads, rather than start another copy
@@ -92,11 +93,19 @@ def plan_group(hosts: list[torch.Tensor]) -> GroupPlan:
     return GroupPlan(-(-size // 16) * 16, tuple(ranges), tuple(views), tuple(strided), dtypes, copied)
 
 
+def _cache_key(host: torch.Tensor) -> tuple[Any, ...]:
+    # a head chunk's slice is a new tensor every run: key by address, shape and dtype
+    return (host.data_ptr(), tuple(host.shape), host.dtype)
+
+
 class GraphRuntime:
-    def __init__(self, store: HostStore | None, stream: bool, phase: str, measure: bool = False) -> None:
+    def __init__(self, store: HostStore | None, stream: bool, phase: str, measure: bool = False,
+                 turnaround: frozenset[int] = frozenset()) -> None:
         self.store = store
         self.stream = stream
         self.phase = phase
+        # forward blocks whose copies stay for the backward, which starts with them (turn-around)
+        self.turnaround = turnaround
         self.overlap = stream and store is not None and store.device.type == "cuda"
         # time the first run's copies and blocks with CUDA events (prefetch "auto", runtime/depth.py)
         self.measure = measure and self.overlap
@@ -111,6 +120,28 @@ class GraphRuntime:
     def load_group(self, hosts: list[torch.Tensor], device: torch.device, block: int) -> list[torch.Tensor]:
         """Device copies of ``hosts`` (one prefetch group), as views of one new device buffer laid out
         by the group's ``GroupPlan``."""
+        kept = self.stream and bool(self.store.kept_hosts) and all(id(h) in self.store.kept_hosts for h in hosts)
+        if kept:  # a block the memory budget keeps resident (runtime/budget.py): copied once, then reused
+            cached = [self.store.resident_cache.get(_cache_key(h)) for h in hosts]
+            if all(t is not None for t in cached):
+                return cached
+        if self.phase == "backward" and self.store.turnaround:
+            stashed = self.store.turnaround.pop(tuple(h.data_ptr() for h in hosts), None)
+            if stashed is not None:  # the forward's last copies of this block: still on the device
+                return stashed
+        out = self._copy_group(hosts, device, block)
+        if block in self.turnaround and not kept:
+            key = tuple(h.data_ptr() for h in hosts)
+            self._release(self.store.turnaround.pop(key, ()))  # an earlier forward's, never taken
+            self.store.turnaround[key] = out
+            self.store.stashed_ids.update(id(t) for t in out)
+        if kept:
+            for h, t in zip(hosts, out):
+                self.store.resident_cache[_cache_key(h)] = t
+                self.store.kept_ids[id(t)] = False
+        return out
+
+    def _copy_group(self, hosts: list[torch.Tensor], device: torch.device, block: int) -> list[torch.Tensor]:
         key = tuple(h.data_ptr() for h in hosts)
         plan = self._plans.get(key)
         if plan is None:
@@ -150,11 +181,19 @@ class GraphRuntime:
         without a group, a copy of its own (``stream=False``: made once and kept resident)."""
         if group is not None:
             out = group[index]
-            self.store.ledger.on_load(nbytes(out))
+            if self.phase == "backward" and id(out) in self.store.stashed_ids:
+                self.store.stashed_ids.discard(id(out))  # booked by the forward; the backward evicts it
+                self._blocks_loaded.add(block)
+                return out
+            booked = self.store.kept_ids.get(id(out))
+            if booked is None or not booked:  # a kept tensor is on the device once, and booked once
+                self.store.ledger.on_load(nbytes(out))
+                if booked is False:
+                    self.store.kept_ids[id(out)] = True
             self._blocks_loaded.add(block)
             return out
         if not self.stream:
-            key = (host.data_ptr(), tuple(host.shape), host.dtype)  # a head chunk's slice is new every run
+            key = _cache_key(host)
             cached = self.store.resident_cache.get(key)
             if cached is None:
                 cached = self._allocate(host.shape, host.stride(), host.dtype, device, block)
@@ -216,7 +255,10 @@ class GraphRuntime:
         self._copy_times, self._wait_times = [], []
 
     def evict(self, loaded: torch.Tensor) -> None:
-        self.store.ledger.on_evict(nbytes(loaded))
+        if self.phase == "forward" and id(loaded) in self.store.stashed_ids:
+            return  # a turn-around copy: the backward takes it over (and evicts it)
+        if id(loaded) not in self.store.kept_ids:  # kept resident by the memory budget: stays
+            self.store.ledger.on_evict(nbytes(loaded))
 
     def _allocate(self, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device, block: int) -> torch.Tensor:
         try:
@@ -233,13 +275,31 @@ class GraphRuntime:
                 return self._run(compiled, args)
             steps = self.store.steps
             steps.begin()  # one graph of a model at a time (runtime/store.py)
+            if self.stream and self.phase == "forward":
+                budget.start_measuring(self.store)
             try:
-                return self._run(compiled, args)
+                out = self._run(compiled, args)
             finally:
                 steps.end()
+            if self.stream and self.phase == "backward":
+                self._drop_turnaround()
+                budget.measure_and_plan(self.store)  # after the first step: which blocks stay resident
+            return out
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
+
+    def _drop_turnaround(self) -> None:
+        """Turn-around copies no backward took (another graph's, or an abandoned forward's): gone."""
+        for tensors in self.store.turnaround.values():
+            self._release(tensors)
+        self.store.turnaround.clear()
+
+    def _release(self, tensors: Any) -> None:
+        for t in tensors:
+            if id(t) in self.store.stashed_ids:
+                self.store.stashed_ids.discard(id(t))
+                self.store.ledger.on_evict(nbytes(t))
 
     def _run(self, compiled: Callable[[list[Any]], Any], args: list[Any]) -> Any:
         """Run ``compiled`` and book the run in the ledger."""

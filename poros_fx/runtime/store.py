@@ -71,6 +71,14 @@ class HostStore:
     timing: dict[str, Any] | None = None  # the last measured forward run (prefetch "auto"; runtime/depth.py)
     codegen: str = "eager"  # how compiled regions run: "inductor" | "eager" (prepare's codegen)
     regions: Any = None  # compiler.regions.RegionTable of the decoder layers (None: layers traced inline)
+    memory_budget: int | None = None  # bytes the step may use on the device (runtime/budget.py); None: stream all
+    budget_measuring: bool = False  # the first step (fully streamed) is measuring its peak for the plan
+    plan: Any = None  # runtime.budget.ResidencyPlan, made after the first step when there is a budget
+    kept_hosts: set[int] = dataclasses.field(default_factory=set)  # ids of host tensors the plan keeps resident
+    kept_ids: dict[int, bool] = dataclasses.field(default_factory=dict)  # id(device copy) kept -> booked in the ledger
+    # turn-around: a training forward's last blocks stay for the backward, which starts with them
+    turnaround: dict[tuple[int, ...], list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # host ptrs -> copies
+    stashed_ids: set[int] = dataclasses.field(default_factory=set)  # ids of those copies, booked, not yet evicted
     _copy_stream: Any = dataclasses.field(default=None, repr=False)
 
     def block_bytes(self) -> list[int]:
@@ -150,6 +158,18 @@ class HostStore:
     def pinned_bytes(self) -> int:
         """Page-locked host bytes the store holds (the arena's exact size; 0 for a CPU compute device)."""
         return self.arena.pinned_bytes if self.arena is not None else 0
+
+    def forget_plan(self) -> None:
+        """Drop the memory budget's plan and the device copies it kept (a new budget plans anew)."""
+        for key, tensor in list(self.resident_cache.items()):
+            booked = self.kept_ids.pop(id(tensor), None)
+            if booked is not None:
+                del self.resident_cache[key]
+                if booked:
+                    self.ledger.on_evict(nbytes(tensor))
+        self.kept_ids.clear()
+        self.kept_hosts = set()
+        self.plan, self.budget_measuring = None, False
 
     def on_eager(self, op: str, loaded: torch.Tensor | None) -> None:
         """``op`` (``poros::load`` / ``poros::gather``) ran as the op's own implementation, not through a

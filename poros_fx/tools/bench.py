@@ -10,7 +10,8 @@ Methods (``METHODS``): ``peft_resident`` (PEFT LoRA on a bitsandbytes NF4 base, 
 decoder layer under plain ``torch.compile``, resident) and ``compiled_regional_checkpointing`` (the same
 with activation checkpointing), ``poros`` (streamed, one row per block size; the default options, so
 prefetch "auto" and the device's codegen), ``poros_eager`` / ``poros_inductor`` (each codegen by name),
-``poros_resident`` (``options={"stream": False}``) and, opt-in, ``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor
+``poros_resident`` (``options={"stream": False}``), ``poros_budget`` (``options={"memory_budget":
+--memory-budget}``: after the first step the blocks that fit stay resident) and, opt-in, ``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor
 instead of per block) and ``poros_prefetch1`` (``options={"prefetch": 1}``: the fixed depth that was the
 default before "auto"). Models: random-init
 Qwen2.5 shapes (0.5b/7b/32b/72b), or ``tiny`` (a 2-layer qwen2 config, for CPU runs). Recipe: LoRA
@@ -105,6 +106,7 @@ class Method:
     streams: bool = False  # a poros store counts its loads: report h2d_gbps
     per_block_size: bool = False  # one row per --block-sizes value
     models: tuple[str, ...] | None = None  # only these models (None: all)
+    budget: bool = False  # setup also takes memory_budget= (the run's --memory-budget)
 
 
 def _peft_resident(model: nn.Module, block_size: int | None) -> Runner:
@@ -184,6 +186,24 @@ _poros_tensor_copies = _poros_with(group_copies=False)
 _poros_prefetch1 = _poros_with(prefetch=1)
 
 
+def _poros_budget(model: nn.Module, block_size: int | None, memory_budget: str | None = None) -> Runner:
+    """Streamed with ``options={"memory_budget": ...}``: the first step measures, then blocks that fit
+    stay resident (runtime/budget.py)."""
+    from ..prepare import get_store
+
+    runner = _poros_with(memory_budget=memory_budget)(model, block_size)
+    clear = runner.teardown
+
+    def teardown() -> None:
+        store = get_store(model)
+        if store is not None:  # the next row streams again
+            store.forget_plan()
+            store.memory_budget = None
+        clear()
+
+    return Runner(runner.forward, teardown=teardown)
+
+
 def _poros_resident(model: nn.Module, block_size: int | None) -> Runner:
     return Runner(torch.compile(model, backend="poros", options={"stream": False}), teardown=_poros_teardown(model))
 
@@ -202,6 +222,9 @@ METHODS: Mapping[str, Method] = types.MappingProxyType({
     "poros_inductor": Method("poros_inductor", "prepared", _poros_inductor, compiled=True, streams=True,
                              per_block_size=True),
     "poros_resident": Method("poros_resident", "prepared", _poros_resident, compiled=True, streams=True),
+    # streamed with --memory-budget: blocks that fit stay resident after the first step
+    "poros_budget": Method("poros_budget", "prepared", _poros_budget, compiled=True, streams=True,
+                           per_block_size=True, budget=True),
     # a fixed prefetch depth of 1 against the default "auto" (opt-in, for A/B runs)
     "poros_prefetch1": Method("poros_prefetch1", "prepared", _poros_prefetch1, compiled=True, streams=True,
                               per_block_size=True),
@@ -233,6 +256,7 @@ class BenchConfig:
     batch: int = 1
     seed: int = 0
     command: str = ""  # the command line, for the markdown
+    memory_budget: str | None = None  # poros_budget's options={"memory_budget": ...}
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -262,7 +286,7 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                 json_path: str | Path = "poros-bench.json", md_path: str | Path | None = None,
                 plot_path: str | Path | None = None, time_budget: float | None = None,
                 compiled_resident: bool = False, profile_dir: str | Path | None = None, command: str = "",
-                known_methods: Mapping[str, Method] = METHODS) -> BenchConfig:
+                memory_budget: str | None = None, known_methods: Mapping[str, Method] = METHODS) -> BenchConfig:
     """A checked ``BenchConfig`` from the command-line strings (shared by the CLI and ``main``)."""
     method_names = tuple(m.strip() for m in methods.split(",") if m.strip())
     if compiled_resident and "compiled_resident" not in method_names:
@@ -276,6 +300,16 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
         raise ValueError("--steps and --warmup must be >= 1 (the first step compiles; it is never timed)")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
         raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if any(known_methods[m].budget for m in method_names):
+        if memory_budget is None:
+            raise ValueError("poros_budget needs --memory-budget (e.g. 24GB)")
+        from ..runtime.budget import parse_size
+        from ..errors import PorosConfigError
+
+        try:
+            parse_size(memory_budget)
+        except PorosConfigError as e:
+            raise ValueError(str(e)) from None
     json_path = Path(json_path)
     return BenchConfig(models=tuple(model_name(m) for m in models.split(",") if m.strip()), methods=method_names,
                        block_sizes=_ints(block_sizes, "block-sizes"), seqs=_ints(seqs, "seqs"),
@@ -283,7 +317,7 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                        device=device, json_path=json_path, md_path=Path(md_path) if md_path else None,
                        plot_path=Path(plot_path) if plot_path else None, time_budget=time_budget,
                        compiled_resident=compiled_resident, profile_dir=Path(profile_dir) if profile_dir else None,
-                       command=command)
+                       command=command, memory_budget=memory_budget)
 
 
 def shapes(config: BenchConfig) -> list[tuple[int, int]]:
@@ -457,7 +491,8 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         model.train()
-        runner = method.setup(model, spec.block_size)
+        runner = (method.setup(model, spec.block_size, memory_budget=config.memory_budget) if method.budget
+                  else method.setup(model, spec.block_size))
         optimizer = torch.optim.AdamW(params, lr=1e-4)
         torch.manual_seed(config.seed)  # the dropout masks
 
@@ -504,6 +539,13 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
             row["h2d_gbps"] = _sig(s["bytes_loaded"] / sum(times) / 1e9)
             row["peak_resident_base_gb"] = round(s["peak_resident_base_bytes"] / 1e9, 3)
             row["copies_per_step"] = round(s["copies"] / len(times))  # host-to-device copy calls
+            if s["residency_plan"] is not None:  # poros_budget: the plan the first step made
+                plan = s["residency_plan"]
+                row["memory_budget_gb"] = round(plan["budget"] / 1e9, 3)
+                row["resident_blocks"] = len(plan["resident_blocks"])
+                row["streamed_peak_gb"] = round(plan["streamed_peak"] / 1e9, 3)
+                row["predicted_peak_gb"] = round(plan["predicted_peak"] / 1e9, 3)
+                row["copied_gb_per_microbatch"] = round(plan["streamed_bytes_per_step"] / 1e9, 3)
             schedules = getattr(get_store(model), "schedules", [])
             row["prefetch"] = schedules[-1].prefetch if schedules else None
             if schedules and schedules[-1].prefetch_note:
@@ -828,6 +870,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=None, help="seconds; no new row starts after them")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="profile one extra step per row: Chrome trace into DIR, summary into the row's 'profile'")
+    p.add_argument("--memory-budget", default=None, help="poros_budget's memory_budget (e.g. 24GB)")
     p.add_argument("--compiled-resident", action="store_true",
                    help="add compiled_resident (plain torch.compile/Inductor; 0.5B and 7B only)")
     return p
@@ -845,7 +888,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              accums=args.accums, grid=args.grid, steps=args.steps, warmup=args.warmup,
                              device=args.device, json_path=args.json, md_path=args.md, plot_path=args.plot,
                              time_budget=args.time_budget, compiled_resident=args.compiled_resident,
-                             profile_dir=args.profile,
+                             profile_dir=args.profile, memory_budget=args.memory_budget,
                              command=shlex.join(["python", "-m", "poros_fx.tools.bench", *argv]))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -12,28 +12,28 @@
 
 MODEL_OR_CONFIG is a built-in shape (qwen2.5-0.5b, -7b, -32b, -72b), a ``config.json`` or a folder
 holding one, or a hub id already in the local huggingface cache (nothing is downloaded).
+
+This module is the typer app: each command reads its options and prints; the substance lives beside it
+(``sources``: names to configs and data, ``train_run``: the training loop, ``run_state``: the resume
+state, ``evaluation``: streamed evaluation, ``terminal``: console, errors, progress).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import math
 import re
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
+
+from .sources import load_config, model_source, read_data, set_layers
+from .terminal import StepLog, console, fail
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="poros-fx: stream a frozen LoRA/QLoRA base "
                   "through the GPU block by block, bit-exact, as a torch.compile backend.")
-console = Console()
-
-BUILTIN = ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b")
 
 
 def _prefetch(value: str) -> int | str:
@@ -44,6 +44,17 @@ def _prefetch(value: str) -> int | str:
         return parse_prefetch(value)
     except PorosConfigError as e:
         raise typer.BadParameter(str(e))
+
+
+def _memory_budget(value: Optional[str]) -> Optional[str]:
+    from ..errors import PorosConfigError
+    from ..runtime.budget import parse_size
+
+    try:
+        parse_size(value)
+    except PorosConfigError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
 
 
 def _codegen(value: Optional[str]) -> Optional[str]:
@@ -81,29 +92,6 @@ def _device(value: Optional[str]) -> Optional[str]:
 
 
 DEVICE_OPTION = typer.Option(None, callback=_device, help="cpu or cuda (default: cuda when present)")
-
-
-def load_config(model_or_config: str):
-    """A transformers config from a built-in name, a config.json, a folder, or the local hub cache."""
-    import transformers
-
-    from .tiny import qwen25_config
-
-    if model_or_config.lower() in BUILTIN:
-        return qwen25_config(model_or_config.lower().split("-", 1)[1])
-    path = Path(model_or_config)
-    if path.is_file():
-        return transformers.AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise typer.BadParameter(f"{path} has no config.json")
-        return transformers.AutoConfig.from_pretrained(path)
-    try:
-        return transformers.AutoConfig.from_pretrained(model_or_config, local_files_only=True)
-    except OSError:
-        raise typer.BadParameter(
-            f"{model_or_config!r} is not a built-in shape ({', '.join(BUILTIN)}), a config.json, a folder, or a "
-            "model in the local huggingface cache; poros-fx downloads nothing here") from None
 
 
 def _h2d_bandwidth(device: str = "cuda", mib: int = 256, reps: int = 5) -> float:
@@ -207,10 +195,10 @@ def dump(model_or_config: str = typer.Argument(..., help="built-in shape, config
     from .tiny import demo_batches, lora_targets
 
     if quantization not in ("nf4", "bf16"):
-        raise _fail(f"--quantization must be nf4 or bf16, got {quantization!r}")
+        raise fail(f"--quantization must be nf4 or bf16, got {quantization!r}")
     config = load_config(model_or_config)
     if layers is not None:
-        _set_layers(config, layers)
+        set_layers(config, layers)
     count = config.num_hidden_layers
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=lora_targets(config.model_type))
     try:
@@ -219,7 +207,7 @@ def dump(model_or_config: str = typer.Argument(..., help="built-in shape, config
                                 block_size=block_size, prefetch=prefetch, codegen=codegen, progress=False)
     except PorosError as e:
         hint = "" if layers is not None else f" (dump builds all {count} layers of the config; --layers 2 builds two)"
-        raise _fail(f"{e}{hint}")
+        raise fail(f"{e}{hint}")
     model.train()
     dev = next(p.device for p in model.parameters() if p.requires_grad)
     batch = {k: v.to(dev) for k, v in demo_batches(1, vocab=config.vocab_size, seq=seq, batch=1)[0].items()}
@@ -232,235 +220,7 @@ def dump(model_or_config: str = typer.Argument(..., help="built-in shape, config
                   f"{quantization}", soft_wrap=True, highlight=False)
 
 
-def _set_layers(config, layers: int) -> None:
-    """``config`` cut to its first ``layers`` decoder layers (per-layer lists such as Gemma 3's
-    ``layer_types`` cut with it)."""
-    config.num_hidden_layers = layers
-    kinds = getattr(config, "layer_types", None)
-    if isinstance(kinds, list) and len(kinds) > layers:
-        config.layer_types = kinds[:layers]
-
-
 # -- train ------------------------------------------------------------------------------------------
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
-
-
-def _fail(message: str, code: int = 2) -> "typer.Exit":
-    """Print ``message`` in red on stderr (unwrapped, so paths stay whole) and return the exit to raise."""
-    Console(stderr=True).print(f"[red]error:[/red] {message}", soft_wrap=True, markup=True, highlight=False)
-    return typer.Exit(code)
-
-
-def _tokenizer(folder: Optional[Path]):
-    """The tokenizer saved in ``folder``, or None when the folder has no tokenizer files."""
-    if folder is None or not any((folder / name).is_file() for name in _TOKENIZER_FILES):
-        return None
-    import transformers
-
-    try:
-        return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise _fail(f"{folder} has tokenizer files but transformers cannot load them ({e}); fix or remove them")
-
-
-def _targets(values: Optional[list[str]], model_type: str) -> list[str]:
-    from .tiny import lora_targets
-
-    if not values:
-        return lora_targets(model_type)
-    # repeated --target-modules and comma-separated lists both work
-    return [name.strip() for value in values for name in value.split(",") if name.strip()]
-
-
-STATE_FILE = "poros_state.safetensors"  # what `train --resume` continues from (written next to the adapter)
-_STATE_KEY = "poros_fx_train_state"
-_STATE_VERSION = 1
-# what a resumed run may change: neither touches a bit of the result (the data order does not depend on the
-# step count, and streaming is exact whatever the block size and prefetch)
-_RESUMABLE = ("steps", "epochs", "block_size", "prefetch", "log_every", "save_every", "out")
-# the run's settings, kept in the state so that `--resume OUT` needs nothing else
-_SETTINGS = ("model", "from_config", "data", "quantization", "lora_r", "lora_alpha", "lora_dropout", "target_modules",
-             "lr", "weight_decay", "seq_len", "pack", "batch_size", "accumulate", "codegen", "device", "seed",
-             "block_size", "prefetch")
-
-
-def _as_path(value: Optional[str]) -> Optional[str]:
-    """An existing path made absolute (a resumed run may start elsewhere); anything else (a hub id, a
-    built-in shape, ``demo``) as written."""
-    if value is None or value.lower() in (*BUILTIN, "demo") or not Path(value).exists():
-        return value  # names are read as names first (load_config, load_dataset), whatever the folder holds
-    return str(Path(value).resolve())
-
-
-def _read_data(data: str, config, folder: Optional[Path], shape: Optional[str], seq_len: int, pack: bool):
-    """The dataset of ``data``, tokenized with the tokenizer saved in ``folder`` (when there is one)."""
-    from ..io.data import load_dataset
-
-    tokenizer = _tokenizer(folder)
-    hint = f" in {folder}" if folder is not None else f" for the built-in shape {shape}"
-    return load_dataset(data, seq_len=seq_len, vocab_size=config.vocab_size, tokenizer=tokenizer, pack=pack,
-                        tokenizer_hint=hint)
-
-
-def _fingerprint(dataset) -> str:
-    """sha256 of a dataset's rows and labels: a resumed run checks that it reads the same data."""
-    import hashlib
-
-    import torch
-
-    digest = hashlib.sha256()
-    for t in (dataset.input_ids, dataset.labels):
-        digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _rng_state(device) -> dict:
-    """The generators a step draws from (dropout masks): the CPU's, and the CUDA device's when it computes there."""
-    import torch
-
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict, device) -> None:
-    import torch
-
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda":
-        if "cuda" not in state:
-            raise _fail("the saved run has no CUDA generator state (it ran on the CPU); resume it with --device cpu")
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def save_train_state(out: Path, model, named: list, optimizer, rng: dict, meta: dict) -> None:
-    """Write the adapter (peft's ``save_pretrained``) and ``STATE_FILE`` into ``out``, atomically: both are
-    written into a temporary folder inside ``out`` and renamed into place, the state last, so an interrupted
-    save leaves the previous files whole. ``STATE_FILE`` is safetensors (nothing is pickled): the adapter
-    tensors of the same step, the optimizer state per parameter, the RNG states, and the step, data
-    position, losses and the run's settings as JSON metadata."""
-    import json
-    import os
-    import shutil
-    import tempfile
-
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".poros-save-", dir=out))
-    try:
-        model.save_pretrained(tmp)
-        tensors = {f"adapter/{name}": p.detach().to("cpu").contiguous().clone() for name, p in named}
-        scalars: dict[str, dict] = {}
-        for index, per_param in optimizer.state_dict()["state"].items():
-            for key, value in per_param.items():
-                if hasattr(value, "detach"):
-                    tensors[f"optimizer/{index}/{key}"] = value.detach().to("cpu").contiguous().clone()
-                else:
-                    scalars.setdefault(str(index), {})[key] = value
-        for kind, value in rng.items():
-            tensors[f"rng/{kind}"] = value.clone()
-        meta = {**meta, "version": _STATE_VERSION, "params": [name for name, _ in named], "optimizer_scalars": scalars}
-        save_file(tensors, str(tmp / STATE_FILE), metadata={_STATE_KEY: json.dumps(meta)})
-        for path in sorted(tmp.iterdir(), key=lambda f: f.name == STATE_FILE):  # the state last
-            if path.is_file():
-                os.replace(path, out / path.name)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def load_train_state(folder: Path) -> tuple[dict, dict]:
-    """``(meta, tensors)`` of a run's ``STATE_FILE`` (see ``save_train_state``)."""
-    import json
-
-    from safetensors import safe_open
-
-    from ..io.loader import LoaderError, read_safetensors_header
-
-    path = folder / STATE_FILE
-    if not folder.is_dir():
-        raise _fail(f"--resume {folder}: no such folder (give the --out folder of the run to continue)")
-    if not path.is_file():
-        raise _fail(f"{folder} has no {STATE_FILE}, so it cannot be resumed: it was not written by `poros-fx train` "
-                    f"(or by a version before --resume); start a new run with --out")
-    try:
-        read_safetensors_header(path)
-        with safe_open(str(path), framework="pt") as f:
-            meta = json.loads((f.metadata() or {})[_STATE_KEY])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
-    except LoaderError as e:
-        raise _fail(str(e))
-    except Exception as e:  # safetensors' own errors, a missing or broken metadata entry: the file, in one line
-        raise _fail(f"{path}: not a readable poros-fx train state ({type(e).__name__}: {e}); the run cannot be "
-                    f"resumed from it")
-    if meta.get("version") != _STATE_VERSION:
-        raise _fail(f"{path}: train state version {meta.get('version')!r}, this poros-fx reads {_STATE_VERSION}")
-    return meta, tensors
-
-
-def _restore(meta: dict, tensors: dict, named: list, optimizer, path: Path) -> None:
-    """Adapter weights and optimizer state of the saved step into the freshly built model and optimizer."""
-    import torch
-
-    names = [name for name, _ in named]
-    if names != meta["params"]:
-        raise _fail(f"{path}: the saved adapter has {len(meta['params'])} parameters, the model built for the resumed "
-                    f"run {len(names)} (not the same model or LoRA settings?)")
-    with torch.no_grad():
-        for name, p in named:
-            saved = tensors[f"adapter/{name}"]
-            if saved.shape != p.shape or saved.dtype != p.dtype:
-                raise _fail(f"{path}: {name} is {saved.dtype} {list(saved.shape)} there, {p.dtype} {list(p.shape)} in "
-                            f"the model built for the resumed run")
-            p.copy_(saved)
-    state: dict[int, dict] = {}
-    for key, value in tensors.items():
-        if key.startswith("optimizer/"):
-            _, index, name = key.split("/", 2)
-            state.setdefault(int(index), {})[name] = value
-    for index, scalars in meta.get("optimizer_scalars", {}).items():
-        state.setdefault(int(index), {}).update(scalars)
-    full = optimizer.state_dict()
-    full["state"] = state  # the param groups (lr, betas, ...) are the run's own settings, rebuilt the same
-    optimizer.load_state_dict(full)
-
-
-def _resume_settings(ctx: typer.Context, given: dict, folder: Path) -> tuple[dict, dict, dict]:
-    """The saved run's settings with what this command line may change applied; an option that would
-    change the result (model, data, LoRA, optimizer, precision, device, seed) is refused by name."""
-    import torch
-
-    def typed(name: str) -> bool:  # given on the command line, not a default (typer vendors click: compare by name)
-        return getattr(ctx.get_parameter_source(name), "name", None) in ("COMMANDLINE", "ENVIRONMENT")
-
-    meta, tensors = load_train_state(folder)
-    run = dict(meta["run"])
-    conflicts = []
-    for name, value in given.items():
-        if not typed(name):
-            continue
-        if name in _RESUMABLE:
-            run[name] = value
-            continue
-        saved = run.get(name)
-        if name in ("model", "from_config", "data"):
-            value = _as_path(value)
-        elif name == "target_modules":
-            value = [t.strip() for v in value or () for t in v.split(",") if t.strip()] or None
-        elif name == "device":
-            value = torch.device(value).type
-        if value != saved:
-            conflicts.append(f"--{name.replace('_', '-')} {value} (the run has {saved})")
-    if conflicts:
-        raise _fail(f"--resume {folder} continues a run with its own settings, and these would change its result: "
-                    f"{'; '.join(conflicts)}. Leave them out (only --steps/--epochs, --block-size, --prefetch, "
-                    f"--log-every, --save-every and --out may change), or start a new run")
-    if given.get("epochs") is not None and typed("epochs"):
-        run["steps"] = None  # recomputed from the data below
-    return run, meta, tensors
-
 
 @app.command()
 def train(ctx: typer.Context,
@@ -491,248 +251,45 @@ def train(ctx: typer.Context,
           accumulate: int = typer.Option(1, min=1, help="micro-batches per optimizer step"),
           block_size: int = typer.Option(1, min=1), prefetch: str = PREFETCH_OPTION,
           codegen: Optional[str] = CODEGEN_OPTION, device: Optional[str] = DEVICE_OPTION,
+          memory_budget: Optional[str] = typer.Option(None, "--memory-budget", callback=_memory_budget,
+                                                      help="device memory the step may use, e.g. 24GB: after the "
+                                                      "first step the blocks that fit stay resident"),
           seed: int = typer.Option(0, help="seeds the LoRA init, dropout, data order (and --from-config weights)"),
           log_every: Optional[int] = typer.Option(None, min=1, help="steps between log lines when not on a terminal "
                                                   "(default: about 10 lines)")) -> None:
     """Train a LoRA adapter on a streamed base (NF4 or bf16) and write it as a standard PEFT adapter."""
-    import math
+    from .run_state import RESUMABLE, SETTINGS, resume_settings
+    from .train_run import TrainOptions
+    from .train_run import train as train_run
 
-    import peft
-    import torch
-
-    from .. import stats
-    from ..errors import PorosError
-    from ..io.data import batches
-    from ..io.loader import from_config as random_model
-    from ..io.loader import load_pretrained, resolve_folder
-
-    given = {name: value for name, value in locals().items() if name in (*_SETTINGS, *_RESUMABLE, "target_modules",
+    given = {name: value for name, value in locals().items() if name in (*SETTINGS, *RESUMABLE, "target_modules",
                                                                          "epochs")}
     saved: Optional[tuple[dict, dict]] = None
     if resume is not None:
-        run, meta, tensors = _resume_settings(ctx, given, resume)
+        def typed(name: str) -> bool:  # given on the command line, not a default (typer vendors click: compare by name)
+            return getattr(ctx.get_parameter_source(name), "name", None) in ("COMMANDLINE", "ENVIRONMENT")
+
+        run, meta, tensors = resume_settings(given, typed, resume)
         saved = (meta, tensors)
-        model, from_config, data = run["model"], run["from_config"], run["data"]
-        quantization, lora_r, lora_alpha, lora_dropout = (run["quantization"], run["lora_r"], run["lora_alpha"],
-                                                          run["lora_dropout"])
-        target_modules, lr, weight_decay = run["target_modules"], run["lr"], run["weight_decay"]
-        seq_len, pack, batch_size, accumulate = run["seq_len"], run["pack"], run["batch_size"], run["accumulate"]
-        codegen, device, seed, steps = run["codegen"], run["device"], run["seed"], run["steps"]
-        block_size, prefetch, log_every, save_every = run["block_size"], run["prefetch"], run["log_every"], run["save_every"]
-        epochs = run.get("epochs")
-        out = Path(run["out"]) if run.get("out") is not None else resume
+        opts = TrainOptions(**{name: run[name] for name in SETTINGS}, steps=run["steps"], epochs=run.get("epochs"),
+                            log_every=run["log_every"], save_every=run["save_every"],
+                            memory_budget=run.get("memory_budget"),
+                            out=Path(run["out"]) if run.get("out") is not None else resume)
     else:
         if data is None or out is None:
-            raise _fail("give --data FILE|demo and --out FOLDER (or --resume OUT to continue a run)")
+            raise fail("give --data FILE|demo and --out FOLDER (or --resume OUT to continue a run)")
         if (model is None) == (from_config is None):
-            raise _fail("give either MODEL (a folder or cached hub id) or --from-config NAME_OR_CONFIG, not both or "
-                        "neither")
-    if steps is not None and epochs is not None:
-        raise _fail("give --steps or --epochs, not both")
-    if quantization not in ("nf4", "bf16"):
-        raise _fail(f"--quantization must be nf4 or bf16, got {quantization!r}")
-    try:
-        # config, tokenizer and data first: a bad data file fails in seconds, before any weight is read
-        if model is not None:
-            folder: Optional[Path] = resolve_folder(model)
-            config = load_config(str(folder))
-        else:
-            config = load_config(from_config)
-            path = Path(from_config)
-            folder = path if path.is_dir() else path.parent if path.is_file() else None
-            if folder is None and from_config.lower() not in BUILTIN:
-                folder = resolve_folder(from_config)  # a cached hub id: its snapshot may hold a tokenizer
-        dataset = _read_data(data, config, folder, from_config, seq_len, pack)
-        if steps is None:
-            steps = max(1, math.ceil((1.0 if epochs is None else epochs) * dataset.rows / (batch_size * accumulate)))
-        fingerprint = _fingerprint(dataset)
-        done = 0
-        if saved is not None:
-            done = saved[0]["step"]
-            if saved[0]["data_sha256"] != fingerprint:
-                raise _fail(f"--resume {resume}: the data ({dataset.source}) is not what the run trained on (its rows "
-                            f"changed since); a resumed run must read the same data")
-            if done >= steps:
-                raise _fail(f"the run in {resume} has finished its {done} steps; pass --steps N (N > {done}) to train "
-                            f"it further")
-        console.print(f"data: {dataset.source}: {dataset.examples} examples ({', '.join(dataset.kinds)}) -> "
-                      f"{dataset.rows} rows of {seq_len} tokens, {dataset.supervised_tokens} trained tokens; "
-                      f"{steps} step(s) of {accumulate} x {batch_size} rows"
-                      + (f"; resuming after step {done}" if saved is not None else ""), soft_wrap=True, highlight=False)
-
-        torch.manual_seed(seed)  # the LoRA A init and, below, the dropout masks
-        targets = _targets(target_modules, config.model_type)
-        lora = peft.LoraConfig(r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=targets)
-        common = {"quantization": quantization, "device": device, "block_size": block_size, "prefetch": prefetch,
-                  "lora": lora, "codegen": codegen}
-        if model is not None:
-            peft_model = load_pretrained(folder, **common)
-        else:
-            peft_model = random_model(config, seed=seed, **common)
-    except PorosError as e:
-        raise _fail(str(e))
-    except ValueError as e:  # peft: --target-modules that match no module of the model
-        raise _fail(f"LoRA setup failed: {e}")
-
-    named = [(n, p) for n, p in peft_model.named_parameters() if p.requires_grad]
-    trainable = [p for _, p in named]
-    dev = trainable[0].device
-    from .report import report
-
-    console.print(report(peft_model), soft_wrap=True, highlight=False)
-    console.print(f"model: {config.model_type}, {quantization} base streamed on {dev}, LoRA r={lora_r} "
-                  f"alpha={lora_alpha} on {', '.join(targets)} ({sum(p.numel() for p in trainable):,} trainable "
-                  f"parameters)", soft_wrap=True, highlight=False)
-    peft_model.train()
-    step_model = torch.compile(peft_model, backend="poros")
-    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=weight_decay)
-    losses: list[float] = []
-    if saved is not None:
-        meta, tensors = saved
-        _restore(meta, tensors, named, optimizer, resume / STATE_FILE)
-        _set_rng_state({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("rng/")}, dev)
-        losses = list(meta["losses"])
-    run = dict(model=_as_path(model), from_config=_as_path(from_config), data=_as_path(data), target_modules=targets,
-               quantization=quantization, lora_r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, lr=lr,
-               weight_decay=weight_decay, seq_len=seq_len, pack=pack, batch_size=batch_size, accumulate=accumulate,
-               codegen=codegen, device=dev.type, seed=seed, block_size=block_size, prefetch=prefetch, steps=steps,
-               log_every=log_every, save_every=save_every)  # what --resume needs to rebuild this run
-
-    def save(step: int, rng: dict) -> None:
-        save_train_state(out, peft_model, named, optimizer, rng, {
-            "step": step, "steps": steps, "micro_batches": step * accumulate, "losses": losses[:step],
-            "data_sha256": fingerprint, "run": run})
-
-    micro = batches(dataset, batch_size, steps * accumulate, seed)
-    for _ in range(done * accumulate):  # the data position: the same order, the batches already trained skipped
-        next(micro)
-    rng = _rng_state(dev)  # the generators as they stand after the last finished step
-    loss_value = losses[-1] if losses else float("nan")
-    first = done
-    try:
-        with _StepLog(steps, log_every, start=done) as log:
-            for step in range(done + 1, steps + 1):
-                start = time.perf_counter()
-                total = torch.zeros((), device=dev)
-                for _ in range(accumulate):
-                    batch = {k: v.to(dev) for k, v in next(micro).items()}
-                    loss = step_model(**batch, use_cache=False).loss / accumulate  # mean over the step's micro-batches
-                    loss.backward()
-                    total += loss.detach()
-                with _interrupt_after():  # a step is saved whole or not at all
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    loss_value = total.item()
-                    losses.append(loss_value)
-                    done, rng = step, _rng_state(dev)
-                if not math.isfinite(loss_value):
-                    raise _fail(f"step {step}: loss is {loss_value}; lower --lr, or check the data")
-                log.step(step, loss_value, time.perf_counter() - start)
-                if save_every is not None and step % save_every == 0 and step < steps:
-                    save(step, rng)
-                    log.note(f"step {step}: adapter and resume state saved to {out}/")
-    except KeyboardInterrupt:
-        if done == 0 or (done == first and resume is not None and out.resolve() == resume.resolve()):
-            raise _fail("interrupted before a step finished; nothing new to save" + (
-                f" (the run in {out}/ is still at step {done}: `poros-fx train --resume {out}`)" if done else ""),
-                code=130)
-        save(done, rng)
-        raise _fail(f"interrupted: step {done}/{steps} saved to {out}/ (adapter + resume state). Continue with "
-                    f"`poros-fx train --resume {out}`", code=130)
-
-    with _interrupt_after():
-        save(steps, rng)
-    s = stats(peft_model)
-    if from_config is not None:
-        where = (f"final loss {loss_value:.4f} after {steps} steps; adapter written to {out}/. It was trained on "
-                 f"random weights (--from-config {from_config}, seed {seed}) and fits only that random base: there is "
-                 f"no checkpoint for `poros-fx export` to merge it into. Evaluate it with `poros-fx eval {from_config} "
-                 f"--adapter {out} --data DATA --seed {seed}`, continue it with `poros-fx train --resume {out} --steps "
-                 f"N`, or load it with poros_fx.from_config(config, seed={seed}, adapter={str(out)!r})")
-    else:
-        where = (f"final loss {loss_value:.4f} after {steps} steps; adapter written to {out}/ (peft.PeftModel."
-                 f"from_pretrained, `poros-fx eval {model} --adapter {out} --data DATA`, `poros-fx export {out} --base "
-                 f"{model} -o MERGED`, or `poros-fx train --resume {out} --steps N` to train further)")
-    console.print(where, soft_wrap=True, highlight=False)
-    console.print(f"poros: peak resident base {_mib(s['peak_resident_base_bytes'])} of {_mib(s['host_bytes'])} in the "
-                  f"host store; {s['loads']} loads ({_mib(s['bytes_loaded'])}), {s['recomputed_blocks']} recomputed "
-                  f"blocks, block size {s['block_size']}, prefetch {s['prefetch']}", soft_wrap=True, highlight=False)
-
-
-@contextlib.contextmanager
-def _interrupt_after() -> Iterator[None]:
-    """Ctrl-C inside the block is held until its end (the optimizer step and its bookkeeping are never cut
-    in half); outside the main thread, where no handler can be set, the block runs as is."""
-    import signal
-
-    caught: list[int] = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
+            raise fail("give either MODEL (a folder or cached hub id) or --from-config NAME_OR_CONFIG, not both or "
+                       "neither")
+        opts = TrainOptions(**given)
+    if opts.steps is not None and opts.epochs is not None:
+        raise fail("give --steps or --epochs, not both")
+    if opts.quantization not in ("nf4", "bf16"):
+        raise fail(f"--quantization must be nf4 or bf16, got {opts.quantization!r}")
+    train_run(opts, resume, saved)
 
 
 # -- eval -------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class EvalResult:
-    """What ``evaluate`` measured: the mean token loss over every supervised token, and its perplexity."""
-
-    loss: float
-    perplexity: float
-    tokens: int
-    rows: int
-    batches: int
-    batch_losses: list[float]  # the model's loss per batch (mean over that batch's supervised tokens)
-    seconds: float
-
-
-def evaluate(model, dataset, batch_size: int, device, progress: Optional[Callable[[int, float], None]] = None
-             ) -> EvalResult:
-    """Every row of ``dataset`` once, in order, through ``model`` under ``torch.no_grad()``: the loss is the
-    mean over all supervised tokens (each batch's mean loss weighted by its token count, summed in float64),
-    perplexity ``exp(loss)``. ``progress(batches_done, running_loss)`` after each batch."""
-    import torch
-
-    from ..io.data import eval_batches
-
-    started = time.perf_counter()
-    total, tokens, losses = 0.0, 0, []
-    with torch.no_grad():
-        for index, (batch, count) in enumerate(eval_batches(dataset, batch_size), 1):
-            loss = float(model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).loss)
-            losses.append(loss)
-            total += loss * count
-            tokens += count
-            if progress is not None:
-                progress(index, total / tokens)
-    mean = total / tokens
-    return EvalResult(loss=mean, perplexity=math.exp(mean) if mean < 700 else float("inf"), tokens=tokens,
-                      rows=dataset.rows, batches=len(losses), batch_losses=losses, seconds=time.perf_counter() - started)
-
-
-def _model_source(spec: str) -> tuple[bool, Optional[Path]]:
-    """``(has_checkpoint, folder)`` for eval's MODEL: a folder (or cached hub id) with weight files is a
-    checkpoint; a built-in shape, a config.json or a folder holding only a config means random weights."""
-    from ..io.loader import resolve_folder
-
-    if spec.lower() in BUILTIN:  # as load_config reads it
-        return False, None
-    path = Path(spec)
-    if path.is_file():
-        return False, path.parent
-    folder = path if path.is_dir() else resolve_folder(spec)
-    weights = [f for f in folder.iterdir() if f.suffix in (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
-               or f.name.endswith(".index.json")]
-    return bool(weights), folder
-
 
 @app.command("eval")
 def eval_command(model: str = typer.Argument(..., help="model folder or cached hub id (its checkpoint), or a built-in "
@@ -758,13 +315,14 @@ def eval_command(model: str = typer.Argument(..., help="model folder or cached h
     from ..io.loader import from_config as random_model
     from ..io.loader import load_pretrained
     from ..prepare import get_store
+    from .evaluation import evaluate
 
     if quantization not in ("nf4", "bf16"):
-        raise _fail(f"--quantization must be nf4 or bf16, got {quantization!r}")
+        raise fail(f"--quantization must be nf4 or bf16, got {quantization!r}")
     try:
-        checkpoint, folder = _model_source(model)
+        checkpoint, folder = model_source(model)
         config = load_config(str(folder) if checkpoint else model)
-        dataset = _read_data(data, config, folder, model, seq_len, pack)
+        dataset = read_data(data, config, folder, model, seq_len, pack)
         common = {"quantization": quantization, "device": device, "block_size": block_size, "prefetch": prefetch,
                   "codegen": codegen, "adapter": adapter, "trainable": False}
         weights = f"{folder}" if checkpoint else f"random-init weights (seed {seed}) from {model}"
@@ -773,12 +331,12 @@ def eval_command(model: str = typer.Argument(..., help="model folder or cached h
                       f"scored tokens", soft_wrap=True, highlight=False)
         lm = load_pretrained(folder, **common) if checkpoint else random_model(config, seed=seed, **common)
     except PorosError as e:
-        raise _fail(str(e))
+        raise fail(str(e))
     lm.eval()
     dev = get_store(lm).device
     step_model = torch.compile(lm, backend="poros")
     batches_total = -(-dataset.rows // batch_size)
-    with _StepLog(batches_total, None, label="evaluating", unit="batch") as log:
+    with StepLog(batches_total, None, label="evaluating", unit="batch") as log:
         last = [time.perf_counter()]
 
         def progress(index: int, running: float) -> None:
@@ -798,57 +356,6 @@ def eval_command(model: str = typer.Argument(..., help="model folder or cached h
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
         console.print(f"wrote {json_path}", highlight=False)
-
-
-def _mib(n: int) -> str:
-    from .report import format_bytes
-
-    return format_bytes(n)
-
-
-class _StepLog:
-    """A rich progress bar (loss, s/step) on a terminal; plain periodic lines otherwise (logs, CI, pipes)."""
-
-    def __init__(self, steps: int, every: Optional[int], start: int = 0, label: str = "training",
-                 unit: str = "step") -> None:
-        self.steps = steps
-        self.start = start
-        self.every = every or max(1, (steps - start) // 10)
-        self.label = label
-        self.unit = unit
-        self.bar = None
-        self.task = None
-        self.times: list[float] = []
-
-    def __enter__(self) -> "_StepLog":
-        if console.is_terminal:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(TextColumn(self.label), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[rate]}"),
-                                TimeElapsedColumn(), console=console)
-            self.bar.__enter__()
-            self.task = self.bar.add_task(self.label, total=self.steps, completed=self.start, loss="-",
-                                          rate=f"(the first {self.unit} compiles)")
-        return self
-
-    def step(self, step: int, loss: float, seconds: float) -> None:
-        self.times.append(seconds)
-        # the first step compiles; the rate shown is that of the steps after it
-        rate = statistics.mean(self.times[1:]) if len(self.times) > 1 else seconds
-        if self.bar is not None:
-            self.bar.update(self.task, advance=1, loss=f"{loss:.4f}", rate=f"{rate:.2f} s/{self.unit}")
-        elif step == self.start + 1 or step % self.every == 0 or step == self.steps:
-            console.print(f"{self.unit} {step}/{self.steps}  loss {loss:.4f}  {rate:.2f} s/{self.unit}"
-                          + (f"  (first {self.unit} compiles)" if step == self.start + 1 else ""), highlight=False)
-
-    def note(self, message: str) -> None:
-        """A line between the progress updates (above the bar on a terminal)."""
-        (self.bar.console if self.bar is not None else console).print(message, soft_wrap=True, highlight=False)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
 
 
 # -- export -----------------------------------------------------------------------------------------
@@ -875,6 +382,7 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
     """Merge a LoRA adapter into a bf16 copy of its base, tensor by tensor (never the whole model in memory)."""
     from ..errors import PorosError
     from ..io.export import export_merged
+    from .report import format_bytes
 
     limit = _parse_size(max_shard_size)
     try:
@@ -889,11 +397,11 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
         else:
             report = export_merged(adapter_dir, base, out, max_shard_bytes=limit, overwrite=overwrite)
     except PorosError as e:
-        raise _fail(str(e))
+        raise fail(str(e))
     console.print(f"merged {report.merged_modules} LoRA modules into {report.tensors} bf16 tensors: "
-                  f"{len(report.shards)} shard(s), {_mib(report.bytes_written)} in {report.out}/ "
-                  f"({report.seconds:.1f} s; largest tensor held {_mib(report.largest_tensor_bytes)}). Load it with "
-                  f"transformers.AutoModelForCausalLM.from_pretrained({str(report.out)!r})", soft_wrap=True,
+                  f"{len(report.shards)} shard(s), {format_bytes(report.bytes_written)} in {report.out}/ "
+                  f"({report.seconds:.1f} s; largest tensor held {format_bytes(report.largest_tensor_bytes)}). "
+                  f"Load it with transformers.AutoModelForCausalLM.from_pretrained({str(report.out)!r})", soft_wrap=True,
                   highlight=False)
 
 
@@ -929,7 +437,7 @@ def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: t
     from . import bench as harness
 
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise _fail(harness.NO_CUDA_MESSAGE)
+        raise fail(harness.NO_CUDA_MESSAGE)
     try:
         config = harness.make_config(models=models, methods=methods, block_sizes=block_sizes, seqs=seqs, accums=accums,
                                      grid=grid, steps=steps, warmup=warmup, device=device, json_path=json_path,
@@ -937,7 +445,7 @@ def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: t
                                      compiled_resident=compiled_resident, profile_dir=profile,
                                      command=shlex.join(["poros-fx", *sys.argv[1:]]))
     except ValueError as e:
-        raise _fail(str(e))
+        raise fail(str(e))
     harness.run(config)
 
 

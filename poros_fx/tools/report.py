@@ -80,6 +80,20 @@ def _layers(store) -> str:
             f"{len(store.regions.regions)} traced so far)")
 
 
+def _memory(store) -> str:
+    """The memory budget and, after the first step, its plan (runtime/budget.py)."""
+    if store.memory_budget is None:
+        return "no budget: every block streams every step"
+    plan = store.plan
+    if plan is None:
+        return f"budget {format_bytes(store.memory_budget)}: planned after the first (fully streamed) step"
+    kept = ", ".join(plan.resident_blocks) or "none"
+    return (f"budget {format_bytes(plan.budget)}: streamed peak {format_bytes(plan.streamed_peak)}, resident {kept} "
+            f"({format_bytes(plan.resident_bytes)}), predicted peak {format_bytes(plan.predicted_peak)}, base copied "
+            f"per micro-batch {format_bytes(plan.streamed_bytes_per_step)} (was "
+            f"{format_bytes(plan.streamed_bytes_per_step_before)})")
+
+
 def report(model: nn.Module) -> str:
     """A short plain-text report of a prepared model: type, family status, adapter, precision, blocks,
     host bytes and the guarantee that applies."""
@@ -103,6 +117,7 @@ def report(model: nn.Module) -> str:
          + f", compute device {store.device}"),
         ("ends", _ends(store)),
         ("layers", _layers(store)),
+        ("memory", _memory(store)),
         ("guarantee", guarantee),
     ]
     width = max(len(k) for k, _ in rows)

@@ -1,0 +1,135 @@
+"""What a command line names, resolved: models, data files and LoRA targets.
+
+MODEL_OR_CONFIG is a built-in shape (qwen2.5-0.5b, -7b, -32b, -72b), a ``config.json`` or a folder
+holding one, or a hub id already in the local huggingface cache; nothing is downloaded. A data file is
+tokenized with the tokenizer saved beside the model, when there is one. Shared by check, dump, train
+and eval so that they read a name the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import typer
+
+from .terminal import fail
+
+if TYPE_CHECKING:
+    import transformers
+
+    from ..io.data import TokenDataset
+
+BUILTIN = ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b")
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def load_config(model_or_config: str) -> "transformers.PretrainedConfig":
+    """A transformers config from a built-in name, a config.json, a folder, or the local hub cache."""
+    import transformers
+
+    from .tiny import qwen25_config
+
+    if model_or_config.lower() in BUILTIN:
+        return qwen25_config(model_or_config.lower().split("-", 1)[1])
+    path = Path(model_or_config)
+    if path.is_file():
+        return transformers.AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise typer.BadParameter(f"{path} has no config.json")
+        return transformers.AutoConfig.from_pretrained(path)
+    try:
+        return transformers.AutoConfig.from_pretrained(model_or_config, local_files_only=True)
+    except OSError:
+        raise typer.BadParameter(
+            f"{model_or_config!r} is not a built-in shape ({', '.join(BUILTIN)}), a config.json, a folder, or a "
+            "model in the local huggingface cache; poros-fx downloads nothing here") from None
+
+
+def set_layers(config: "transformers.PretrainedConfig", layers: int) -> None:
+    """``config`` cut to its first ``layers`` decoder layers (per-layer lists such as Gemma 3's
+    ``layer_types`` cut with it)."""
+    config.num_hidden_layers = layers
+    kinds = getattr(config, "layer_types", None)
+    if isinstance(kinds, list) and len(kinds) > layers:
+        config.layer_types = kinds[:layers]
+
+
+def model_source(spec: str) -> tuple[bool, Optional[Path]]:
+    """``(has_checkpoint, folder)`` for eval's MODEL: a folder (or cached hub id) with weight files is a
+    checkpoint; a built-in shape, a config.json or a folder holding only a config means random weights."""
+    from ..io.loader import resolve_folder
+
+    if spec.lower() in BUILTIN:  # as load_config reads it
+        return False, None
+    path = Path(spec)
+    if path.is_file():
+        return False, path.parent
+    folder = path if path.is_dir() else resolve_folder(spec)
+    weights = [f for f in folder.iterdir() if f.suffix in _WEIGHT_SUFFIXES or f.name.endswith(".index.json")]
+    return bool(weights), folder
+
+
+def train_source(model: Optional[str], from_config: Optional[str]
+                 ) -> tuple["transformers.PretrainedConfig", Optional[Path]]:
+    """``(config, folder)`` for train's MODEL (a checkpoint folder or cached hub id) or ``--from-config``
+    (random weights); ``folder`` is where a tokenizer may be saved, None for a built-in shape."""
+    from ..io.loader import resolve_folder
+
+    if model is not None:
+        folder: Optional[Path] = resolve_folder(model)
+        return load_config(str(folder)), folder
+    config = load_config(from_config)
+    path = Path(from_config)
+    folder = path if path.is_dir() else path.parent if path.is_file() else None
+    if folder is None and from_config.lower() not in BUILTIN:
+        folder = resolve_folder(from_config)  # a cached hub id: its snapshot may hold a tokenizer
+    return config, folder
+
+
+def as_path(value: Optional[str]) -> Optional[str]:
+    """An existing path made absolute (a resumed run may start elsewhere); anything else (a hub id, a
+    built-in shape, ``demo``) as written."""
+    if value is None or value.lower() in (*BUILTIN, "demo") or not Path(value).exists():
+        return value  # names are read as names first (load_config, load_dataset), whatever the folder holds
+    return str(Path(value).resolve())
+
+
+def read_data(data: str, config: "transformers.PretrainedConfig", folder: Optional[Path], shape: Optional[str],
+              seq_len: int, pack: bool) -> "TokenDataset":
+    """The dataset of ``data``, tokenized with the tokenizer saved in ``folder`` (when there is one)."""
+    from ..io.data import load_dataset
+
+    tokenizer = _tokenizer(folder)
+    hint = f" in {folder}" if folder is not None else f" for the built-in shape {shape}"
+    return load_dataset(data, seq_len=seq_len, vocab_size=config.vocab_size, tokenizer=tokenizer, pack=pack,
+                        tokenizer_hint=hint)
+
+
+def _tokenizer(folder: Optional[Path]) -> "Optional[transformers.PreTrainedTokenizerBase]":
+    """The tokenizer saved in ``folder``, or None when the folder has no tokenizer files."""
+    if folder is None or not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise fail(f"{folder} has tokenizer files but transformers cannot load them ({e}); fix or remove them")
+
+
+def split_targets(values: Optional[list[str]]) -> list[str]:
+    """``--target-modules`` as given: repeated options and comma-separated lists both work."""
+    return [name.strip() for value in values or () for name in value.split(",") if name.strip()]
+
+
+def target_modules(values: Optional[list[str]], model_type: str) -> list[str]:
+    """The LoRA targets of ``--target-modules``, or every linear of a decoder layer when none are given."""
+    from .tiny import lora_targets
+
+    if not values:
+        return lora_targets(model_type)
+    return split_targets(values)

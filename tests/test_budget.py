@@ -1,0 +1,182 @@
+"""A memory budget keeps blocks resident: exact for every budget, fewer bytes per step, peak under it.
+
+The first step streams everything and measures its peak (on the CPU: the ledger's base bytes); the
+blocks that fit in ``budget - that peak`` then stay on the device, loaded once (``runtime/budget.py``).
+Two independent runs each (fresh models, same seeds), compared with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import poros_fx
+from poros_fx.runtime.budget import parse_size
+from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
+from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+
+EQUAL = {s: 0.0 for s in SURFACES}
+LAYERS = 4
+
+
+def run(stream: bool = True, budget=None, option=None, steps: int = 8, accumulate: int = 2):
+    torch._dynamo.reset()
+    model = poros_fx.prepare(tiny_lora_model("qwen2", layers=LAYERS, dropout=0.1), device="cpu",
+                             memory_budget=budget)
+    options = {"stream": stream}
+    if option is not None:
+        options["memory_budget"] = option
+    trace = train(model, torch.compile(model, backend="poros", options=options), demo_batches(steps),
+                  accumulate=accumulate)
+    return trace, poros_fx.stats(model)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """stream=False, and the fully streamed run (its peak is the smallest budget that works)."""
+    resident, _ = run(stream=False)
+    streamed, s = run()
+    assert compare(streamed, resident) == EQUAL
+    return resident, s
+
+
+@pytest.mark.parametrize("kept", [0, 2, LAYERS + 1], ids=["none", "some", "all"])
+def test_budget_keeps_blocks_resident_exactly(reference, kept):
+    resident, streamed_stats = reference
+    sizes = streamed_stats["block_bytes"]
+    minimum = streamed_stats["peak_resident_base_bytes"]
+    # the plan keeps blocks from the last one backwards: head, layers.3, ...
+    smallest = min(n for n in sizes if n)
+    budget = minimum + sum(sizes[len(sizes) - kept:]) + (smallest - 1 if kept <= LAYERS else 0)  # no room for more
+    trace, s = run(budget=budget)
+    assert compare(trace, resident) == EQUAL, format_diffs(f"budget keeping {kept}", compare(trace, resident))
+    plan = s["residency_plan"]
+    names = streamed_stats["block_names"]
+    assert plan["resident_blocks"] == (names[len(names) - kept:] if kept else [])
+    assert plan["streamed_peak"] == minimum and plan["resident_bytes"] == sum(sizes[len(sizes) - kept:])
+    assert s["peak_resident_base_bytes"] <= plan["predicted_peak"] <= budget
+    assert plan["streamed_bytes_per_step"] == plan["streamed_bytes_per_step_before"] - 2 * plan["resident_bytes"]
+
+
+def test_resident_blocks_are_not_copied_again():
+    """After the first step, each micro-batch copies the plan's streamed bytes per step, no more."""
+    model = poros_fx.prepare(tiny_lora_model("qwen2", layers=LAYERS), device="cpu", memory_budget=10**9)
+    step_model = torch.compile(model, backend="poros")
+    batch = demo_batches(1, seq=16)[0]
+    step_model(**batch, use_cache=False).loss.backward()  # the measured, fully streamed step
+    step_model(**batch, use_cache=False).loss.backward()  # copies the kept blocks once
+    before = poros_fx.stats(model)
+    step_model(**batch, use_cache=False).loss.backward()
+    after = poros_fx.stats(model)
+    plan = after["residency_plan"]
+    assert plan["resident_blocks"] == after["block_names"][1:]  # everything but the gathered embedding
+    assert after["bytes_copied"] - before["bytes_copied"] == plan["streamed_bytes_per_step"] == 0
+    assert after["resident_base_bytes"] == plan["resident_bytes"]  # kept, never evicted
+
+
+def test_budget_below_the_streamed_minimum_names_the_smallest_that_works(reference):
+    _, streamed_stats = reference
+    minimum = streamed_stats["peak_resident_base_bytes"]
+    with pytest.raises(poros_fx.PorosOOMError, match=f"the smallest budget that works is {minimum} bytes"):
+        run(budget=minimum - 1, steps=2)
+    run(budget=minimum, steps=2)
+
+
+def test_the_option_overrides_prepares_budget(reference):
+    resident, streamed_stats = reference
+    trace, s = run(budget="1GB", option=streamed_stats["peak_resident_base_bytes"])
+    assert s["memory_budget"] == streamed_stats["peak_resident_base_bytes"]
+    assert s["residency_plan"]["resident_blocks"] == []
+    assert compare(trace, resident) == EQUAL
+
+
+def test_parse_size():
+    assert parse_size(None) is None and parse_size(123) == 123
+    assert parse_size("24GB") == 24 * 10**9 and parse_size("1.5 GiB") == int(1.5 * 2**30) and parse_size("500mb") == 5 * 10**8
+    for bad in ("lots", "-1GB", 0, True, "3 parsecs"):
+        with pytest.raises(poros_fx.PorosConfigError, match="memory_budget must be"):
+            parse_size(bad)
+    with pytest.raises(Exception, match="memory_budget must be"):  # Dynamo wraps the backend's error
+        torch.compile(torch.nn.Linear(2, 2), backend="poros", options={"memory_budget": "big"})(torch.ones(2))
+
+
+def test_step_decorator_takes_a_budget():
+    torch._dynamo.reset()
+    model = tiny_lora_model("qwen2", layers=2)
+
+    @poros_fx.step(memory_budget="1GB")
+    def train_step(model, batch):
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        return loss
+
+    for batch in demo_batches(2, seq=16):
+        train_step(model, batch)
+    s = poros_fx.stats(model)
+    assert s["memory_budget"] == 10**9 and s["residency_plan"]["resident_blocks"] == s["block_names"][1:]
+
+
+def test_report_shows_the_plan():
+    torch._dynamo.reset()
+    model = poros_fx.prepare(tiny_lora_model("qwen2", layers=2), device="cpu", memory_budget="1GB")
+    assert "planned after the first (fully streamed) step" in poros_fx.report(model)
+    step_model = torch.compile(model, backend="poros")
+    step_model(**demo_batches(1, seq=16)[0], use_cache=False).loss.backward()
+    text = poros_fx.report(model)
+    assert "resident layers.0, layers.1, head" in text and "predicted peak" in text
+
+
+# -- turn-around ---------------------------------------------------------------------------------------------
+
+def test_turnaround_blocks_are_not_evicted_and_reloaded():
+    """The head and the last layer block are the forward's last blocks and the backward's first: their
+    forward copies stay for the backward. Exact, the same peak, fewer bytes, nothing left after."""
+    resident, _ = run(stream=False)
+    counts = {}
+    for turnaround in (True, False):
+        torch._dynamo.reset()
+        model = poros_fx.prepare(tiny_lora_model("qwen2", layers=LAYERS, dropout=0.1), device="cpu", prefetch=1)
+        step_model = torch.compile(model, backend="poros", options={"turnaround": turnaround})
+        trace = train(model, step_model, demo_batches(8), accumulate=2)
+        assert compare(trace, resident) == EQUAL
+        counts[turnaround] = poros_fx.stats(model)
+    on, off = counts[True], counts[False]
+    sizes = on["block_bytes"]
+    assert off["bytes_loaded"] - on["bytes_loaded"] == 8 * (sizes[-1] + sizes[-2])  # 8 micro-batches
+    assert on["peak_resident_base_bytes"] == off["peak_resident_base_bytes"]
+    assert on["resident_base_bytes"] == off["resident_base_bytes"] == 0
+
+
+def test_a_forward_without_backward_leaves_nothing_behind():
+    torch._dynamo.reset()
+    model = poros_fx.prepare(tiny_lora_model("qwen2", layers=2), device="cpu", prefetch=1)
+    step_model = torch.compile(model, backend="poros")
+    batch = demo_batches(1, seq=16)[0]
+    step_model(**batch, use_cache=False).loss.backward()
+    loss = step_model(**batch, use_cache=False).loss  # abandoned: its turn-around copies wait
+    del loss
+    assert poros_fx.stats(model)["resident_base_bytes"] > 0
+    step_model(**batch, use_cache=False).loss.backward()  # the next step's backward drops what it did not take
+    assert poros_fx.stats(model)["resident_base_bytes"] == 0
+
+
+def test_loader_and_cli_take_a_budget(tmp_path):
+    from typer.testing import CliRunner
+
+    from poros_fx.tools.cli import app
+    from poros_fx.tools.tiny import tiny_config
+
+    model = poros_fx.from_config(tiny_config("qwen2", layers=2), quantization="bf16", device="cpu",
+                                 memory_budget="1GB")
+    assert poros_fx.stats(model)["memory_budget"] == 10**9
+    with pytest.raises(poros_fx.PorosConfigError, match="memory_budget must be"):
+        poros_fx.from_config(tiny_config("qwen2", layers=2), memory_budget="lots")
+    config = tiny_config("qwen2", layers=2)
+    config.save_pretrained(tmp_path / "cfg")
+    result = CliRunner().invoke(app, ["train", "--from-config", str(tmp_path / "cfg" / "config.json"), "--data", "demo",
+                                      "--out", str(tmp_path / "out"), "--steps", "2", "--seq-len", "16",
+                                      "--quantization", "bf16", "--device", "cpu", "--memory-budget", "1GB"])
+    assert result.exit_code == 0, result.output
+    bad = CliRunner().invoke(app, ["train", "--from-config", "x", "--data", "demo", "--out", str(tmp_path / "o2"),
+                                   "--memory-budget", "lots"])
+    assert bad.exit_code == 2 and "memory_budget must be" in bad.output
