@@ -245,7 +245,7 @@ def test_varying_lengths_stay_exact_and_schedules_do_not_pile_up():
     most ``SCHEDULES_KEPT`` of them."""
     from poros_fx.runtime.store import SCHEDULES_KEPT
 
-    lengths = [8, 12, 8, 16, 12, 16, 8]
+    lengths = [8, 12, 8, 12]
     batches = [demo_batches(1, seq=s, seed=i)[0] for i, s in enumerate(lengths)]
     runs = {}
     for stream in (True, False):
@@ -261,7 +261,7 @@ def test_varying_lengths_stay_exact_and_schedules_do_not_pile_up():
             opt.step()
             opt.zero_grad()
             compiled.append(len(get_store(model).schedules))
-        assert compiled == [1, 2, 2, 3, 3, 3, 3]  # only a new length compiles
+        assert compiled == [1, 2, 2, 2]  # only a new length compiles
         store = get_store(model)
         assert len(store.regions.regions) == len(set(lengths))
         assert store.schedules.maxlen == SCHEDULES_KEPT
@@ -289,13 +289,13 @@ def test_a_graph_break_inside_the_layers_is_warned_about_and_keeps_layer_blocks(
 
     def run(stream):
         torch._dynamo.reset()
-        model = poros_fx.prepare(tiny_lora_model("qwen2", layers=3, dropout=0.1), device="cpu", regions=False)
+        model = poros_fx.prepare(tiny_lora_model("qwen2", layers=2, dropout=0.1), device="cpu", regions=False)
         for layer in model.base_model.model.model.layers:
             layer.mlp.register_forward_pre_hook(lambda module, args: torch._dynamo.graph_break())
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trace = train(model, torch.compile(model, backend="poros", options={"stream": stream}),
-                          demo_batches(4, seq=16), accumulate=2)
+                          demo_batches(2, seq=16), accumulate=2)
         split = [str(w.message) for w in caught if "split the step inside the decoder layers" in str(w.message)]
         blocks = [[b.name for b in s.blocks] for s in get_store(model).schedules]
         return trace, split, blocks
