@@ -19,7 +19,7 @@ import torch
 
 from . import prepare, stats
 from .errors import PorosConfigError
-from .prepare import parse_prefetch, resolve_device
+from .prepare import device_problem, parse_prefetch, resolve_device
 from .families import VALIDATED
 from .tools.parity import SURFACES, compare, format_diffs, train
 from .tools.tiny import demo_batches, tiny_lora_model
@@ -48,15 +48,9 @@ def _prefetch(text: str) -> int | str:
 
 
 def _device(text: str) -> str:
-    try:
-        kind = torch.device(text).type
-    except RuntimeError:  # torch cannot parse it
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"must be cpu or cuda (or cuda:N), got {text!r}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r} was asked for but torch sees no CUDA device (torch "
-                                         f"{torch.__version__}); use --device cpu, or leave it out")
+    problem = device_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     try:
         resolve_device(text)
     except PorosConfigError as e:

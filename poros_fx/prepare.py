@@ -70,6 +70,21 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
+def device_problem(text: str) -> str | None:
+    """What is wrong with a command line's ``--device`` (cpu or cuda[:N], cuda only where torch sees one),
+    or ``None``; shared by the demo's and the CLI's option checks."""
+    try:
+        kind = torch.device(text).type
+    except RuntimeError:  # torch cannot parse it
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        return f"must be cpu or cuda (or cuda:N), got {text!r}"
+    if kind == "cuda" and not torch.cuda.is_available():
+        return (f"{text!r} was asked for but torch sees no CUDA device (torch {torch.__version__}); use --device cpu, "
+                "or leave it out")
+    return None
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The user's module under a ``torch.compile`` wrapper."""
     return getattr(model, "_orig_mod", model)

@@ -18,30 +18,13 @@ import transformers
 import poros_fx
 from poros_fx import attention
 from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import tiny_lora_model
+from poros_fx.tools.tiny import attention_batches, tiny_lora_model
 
 EQUAL = {s: 0.0 for s in SURFACES}
 
 
 def batches(seq: int, mode: str, count: int = 4) -> list[dict[str, torch.Tensor]]:
-    """``mode``: ``none`` (no attention_mask), ``ones`` (a mask without padding), ``pad`` (left padding
-    in one row), ``packed`` (two sequences per row, told by position_ids)."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(count):
-        ids = torch.randint(0, 256, (2, seq), generator=g)
-        batch = {"input_ids": ids, "labels": ids.clone()}
-        if mode == "ones":
-            batch["attention_mask"] = torch.ones_like(ids)
-        elif mode == "pad":
-            mask = torch.ones_like(ids)
-            mask[1, :5] = 0
-            batch.update(attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-        elif mode == "packed":
-            half = seq // 2
-            batch["position_ids"] = torch.cat([torch.arange(half), torch.arange(seq - half)]).expand(2, -1)
-        out.append(batch)
-    return out
+    return attention_batches(count, seq=seq, mode=mode)
 
 
 def run(data: list[dict], *, compiled: bool, dtype: torch.dtype = torch.float32, nf4: bool = False,

@@ -17,35 +17,15 @@ import torch
 
 import poros_fx
 from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import lora_model, tiny_config
+from poros_fx.tools.tiny import attention_batches, lora_model, tiny_config
 
 pytestmark = pytest.mark.gpu
 
 EQUAL = {s: 0.0 for s in SURFACES}
 
 
-@pytest.fixture
-def deterministic():
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
-
-
 def batches(seq: int, mode: str, device: str, count: int = 8) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(count):
-        ids = torch.randint(0, 1024, (2, seq), generator=g)
-        batch = {"input_ids": ids, "labels": ids.clone()}
-        if mode == "ones":
-            batch["attention_mask"] = torch.ones_like(ids)
-        elif mode == "pad":
-            mask = torch.ones_like(ids)
-            mask[1, : seq // 8] = 0
-            batch.update(attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
-        out.append({k: v.to(device) for k, v in batch.items()})
-    return out
+    return attention_batches(count, seq=seq, mode=mode, vocab=1024, pad=seq // 8, device=device)
 
 
 def report(name: str, diffs: dict[str, float]) -> None:

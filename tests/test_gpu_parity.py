@@ -25,14 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def deterministic():
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
-
-
 @pytest.mark.parametrize("codegen", ["inductor", "eager"])
 @pytest.mark.parametrize("nf4", [False, True], ids=["bf16", "nf4"])
 def test_gpu_streamed_equals_resident(nf4, codegen, deterministic):

@@ -77,17 +77,11 @@ def _device(value: Optional[str]) -> Optional[str]:
     """``--device``: cpu or cuda[:N], and cuda only where torch sees one (refused here, not as a traceback)."""
     if value is None:
         return None
-    import torch
+    from ..prepare import device_problem
 
-    try:
-        kind = torch.device(value).type
-    except RuntimeError:  # torch cannot parse it
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        raise typer.BadParameter(f"must be cpu or cuda (or cuda:N), got {value!r}")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise typer.BadParameter(f"{value!r} was asked for but torch sees no CUDA device (torch {torch.__version__}); "
-                                 "use --device cpu, or leave it out")
+    problem = device_problem(value)
+    if problem is not None:
+        raise typer.BadParameter(problem)
     return value
 
 

@@ -121,3 +121,28 @@ def demo_batches(count: int, *, vocab: int = 256, seq: int = 32, batch: int = 2,
         ids = torch.randint(0, vocab, (batch, seq), generator=g)
         out.append({"input_ids": ids, "labels": ids.clone()})
     return out
+
+
+def attention_batches(count: int, *, seq: int, mode: str, vocab: int = 256, batch: int = 2, pad: int = 5,
+                      device: str | torch.device = "cpu", seed: int = 0) -> list[dict]:
+    """``count`` batches for the attention-mask cases: ``mode`` ``none`` (no attention_mask), ``ones`` (a
+    mask without padding), ``pad`` (the last row left-padded by ``pad`` tokens, their labels -100) or
+    ``packed`` (two sequences per row, told by position_ids)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab, (batch, seq), generator=g)
+        b = {"input_ids": ids, "labels": ids.clone()}
+        if mode == "ones":
+            b["attention_mask"] = torch.ones_like(ids)
+        elif mode == "pad":
+            mask = torch.ones_like(ids)
+            mask[-1, :pad] = 0
+            b.update(attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        elif mode == "packed":
+            half = seq // 2
+            b["position_ids"] = torch.cat([torch.arange(half), torch.arange(seq - half)]).expand(batch, -1)
+        elif mode != "none":
+            raise ValueError(f"mode must be none, ones, pad or packed, got {mode!r}")
+        out.append({k: v.to(device) for k, v in b.items()})
+    return out
