@@ -27,8 +27,9 @@ from ..errors import PorosConfigError, PorosOOMError
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
 
-def parse_size(value: Any) -> int | None:
-    """``memory_budget``: bytes (int), a size string (``"24GB"``, ``"500MiB"``), or ``None`` (no budget)."""
+def parse_size(value: Any, what: str = "memory_budget") -> int | None:
+    """Bytes (an int), a size string (``"24GB"``, ``"500MiB"``), or ``None``; ``what`` names the setting
+    in the error (``memory_budget``, the CLI's ``--max-shard-size``)."""
     if value is None:
         return None
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -37,7 +38,7 @@ def parse_size(value: Any) -> int | None:
         m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?)b?\s*", value.lower())
         if m and m.group(2) in _UNITS and float(m.group(1)) > 0:
             return int(float(m.group(1)) * _UNITS[m.group(2)])
-    raise PorosConfigError(f"memory_budget must be a positive number of bytes or a size such as '24GB' or '500MiB', "
+    raise PorosConfigError(f"{what} must be a positive number of bytes or a size such as '24GB' or '500MiB', "
                            f"got {value!r}")
 
 

@@ -20,7 +20,6 @@ state, ``evaluation``: streamed evaluation, ``terminal``: console, errors, progr
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
 from pathlib import Path
@@ -355,16 +354,14 @@ def eval_command(model: str = typer.Argument(..., help="model folder or cached h
 # -- export -----------------------------------------------------------------------------------------
 
 def _parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB' or a number of bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*", text.lower())
-    if match is None:
-        raise typer.BadParameter(f"{text!r} is not a size; write e.g. 5GB, 500MB or 2GiB")
-    number, unit = float(match.group(1)), match.group(2).rstrip("b")
-    powers = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30,
-              "ti": 2**40}
-    if unit not in powers:
-        raise typer.BadParameter(f"{text!r}: unknown unit; write e.g. 5GB, 500MB or 2GiB")
-    return int(number * powers[unit])
+    """'5GB', '500MB', '2GiB' or a number of bytes (runtime/budget.py's parser, as for --memory-budget)."""
+    from ..errors import PorosConfigError
+    from ..runtime.budget import parse_size
+
+    try:
+        return parse_size(text, "--max-shard-size")
+    except PorosConfigError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 @app.command()
