@@ -86,6 +86,9 @@ def _calling(wrapper: Callable, slot: int, runner: Callable) -> Callable:
 
     call.__name__ = call.__qualname__ = f"{getattr(wrapper, '__name__', 'rng')}_{runner.__name__}"
     call.poros_region = runner.poros_region  # type: ignore[attr-defined]
+    call.poros_rng = getattr(wrapper, "poros_rng", None)  # type: ignore[attr-defined]  # save / restore
+    if hasattr(runner, "poros_draws"):
+        call.poros_draws = runner.poros_draws  # type: ignore[attr-defined]
     return call
 
 

@@ -22,6 +22,7 @@ from .prepare import prepare, unprepare
 from .io.loader import LoaderError, LoadReport, from_config, load_pretrained, load_report
 from .tools.report import report
 from .stats import stats
+from .runtime.accumulate import block_major
 from .step import PorosStep, step
 
 __version__ = "0.1.0"
@@ -37,5 +38,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "VALIDATED", "Family", "LoadReport", "LoaderError", "from_config", "load_pretrained", "load_report", "NoBlocksError", "PorosConfigError", "PorosError", "PorosExactnessError", "PorosOOMError",
-    "PorosStep", "PorosTrainer", "UnsupportedArchitectureError", "ops", "prepare", "report", "stats", "step", "unprepare", "user_asserted",
+    "PorosStep", "PorosTrainer", "UnsupportedArchitectureError", "block_major", "ops", "prepare", "report", "stats", "step", "unprepare", "user_asserted",
 ]

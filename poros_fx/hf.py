@@ -6,7 +6,11 @@ Trainer (it drops dataset columns by inspecting it). So ``self.model`` stays the
 prepared in place (frozen base in the host store), and only ``compute_loss`` calls the compiled
 wrapper ``torch.compile(model, backend="poros", options=...)``. Everything else (loss scaling with
 ``num_items_in_batch``, gradient accumulation, clipping, the optimizer and scheduler, logging,
-checkpoints, resume) is the Trainer's own code.
+checkpoints, resume) is the Trainer's own code. With ``gradient_accumulation_steps`` > 1 the
+micro-batches of an optimizer step (which the Trainer fetches together, ``get_batch_samples``) are
+moved to the device at once and run block-major (``runtime/accumulate.py``: each block loaded once for
+all of them; the adapter is the same bits as micro-batch after micro-batch); ``poros_options=
+{"block_major": False}`` runs them one after the other.
 
 Example::
 
@@ -29,6 +33,7 @@ from torch import nn
 from .errors import PorosConfigError
 from .options import PorosOptions
 from .prepare import AUTO, CHECKPOINTING_MESSAGE, ENTRY_ATTR, get_store, prepare
+from .runtime import accumulate as accumulation
 
 
 class PorosTrainer(transformers.Trainer):
@@ -49,6 +54,7 @@ class PorosTrainer(transformers.Trainer):
         self.poros_options: dict[str, Any] = options
         self.poros_device: str | torch.device | None = device
         self._poros_compiled: tuple[nn.Module, Any, nn.Module] | None = None  # (model, its store, wrapper)
+        self._poros_step: Any = None  # the block-major accumulation step in flight (runtime/accumulate.py)
         # checked before Trainer.__init__, which would prepare (and place) the model
         _check_args(kwargs["args"] if "args" in kwargs else (args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
@@ -86,6 +92,34 @@ class PorosTrainer(transformers.Trainer):
         # the Trainer's own loss code, with the forward it calls compiled by poros
         return super().compute_loss(self.poros_model(model), inputs, return_outputs=return_outputs,
                                     num_items_in_batch=num_items_in_batch)
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
+        # the Trainer fetches an optimizer step's micro-batches before the first forward: on the device now
+        # (training_step's _prepare_inputs then keeps these very tensors), they run block-major
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._poros_end_step()
+        if len(batch_samples) > 1 and self.model is not None and self.poros_options.get("block_major") is not False \
+                and self.poros_options.get("stream", True):
+            batch_samples = [self._prepare_inputs(batch) for batch in batch_samples]
+            self._poros_step = accumulation.begin(self.model, batch_samples, shared=(num_items_in_batch,))
+        return batch_samples, num_items_in_batch
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self._poros_step is not None and self._poros_step.finished:
+            self._poros_end_step()
+        return loss
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self._poros_end_step(check=False)
+
+    def _poros_end_step(self, check: bool = True) -> None:
+        step, self._poros_step = self._poros_step, None
+        if step is not None:
+            accumulation.end(step.model, step, check=check)
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         # model.to(device) would copy the whole frozen base onto the device: prepare first, then move

@@ -22,6 +22,8 @@ class PorosOptions:
     codegen: str | None = None  # "inductor" | "eager": how regions run; None: what prepare() was given
     turnaround: bool = True  # a training forward's last blocks stay for the backward (False: evict and reload)
     memory_budget: int | str | None = None  # device bytes the step may use ("24GB"); None: what prepare() was given
+    block_major: bool | None = None  # an accumulation step's micro-batches go through each block together
+    # (runtime/accumulate.py); None: what prepare() was given (default True)
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "PorosOptions":
@@ -40,6 +42,8 @@ class PorosOptions:
         for name in ("stream", "group_copies", "turnaround"):
             if not isinstance(getattr(opts, name), bool):
                 raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")
+        if opts.block_major is not None and not isinstance(opts.block_major, bool):
+            raise PorosConfigError(f"block_major must be True or False, got {opts.block_major!r}")
         if opts.dump is None and os.environ.get(DUMP_ENV):
             opts = dataclasses.replace(opts, dump=os.environ[DUMP_ENV])
         return opts

@@ -141,7 +141,7 @@ def head_chunk_count(nbytes: int, rows: int, requested: int | None = None) -> in
 def prepare(model: nn.Module, device: str | torch.device | None = None, block_size: int = 1,
             prefetch: int | str = AUTO,
             *, family: Family | str | None = None, head_chunks: int | None = None, codegen: str | None = None,
-            regions: bool = True, memory_budget: int | str | None = None,
+            regions: bool = True, memory_budget: int | str | None = None, block_major: bool = True,
             _arena: HostArena | None = None) -> nn.Module:
     """Move the frozen base of ``model`` into a host store; returns ``model`` (changed in place).
 
@@ -166,8 +166,13 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     ``memory_budget``: device bytes the step may use (``"24GB"``, or an int); the first step streams
     everything and measures its peak, then the blocks that fit in the rest stay resident (loaded once,
     never reloaded; ``runtime/budget.py``). ``None``: stream every block, every step.
+    ``block_major``: gradient accumulation inside ``poros_fx.block_major`` (``@poros_fx.step(accumulate=N)``,
+    ``PorosTrainer``, ``poros-fx train --accumulate``) runs each block for all micro-batches of the step
+    while it is loaded (``runtime/accumulate.py``); ``False``: micro-batch after micro-batch.
     """
     check_block_options(block_size, prefetch)
+    if not isinstance(block_major, bool):
+        raise PorosConfigError(f"block_major must be True or False, got {block_major!r}")
     from .runtime.budget import parse_size
 
     budget = parse_size(memory_budget)
@@ -192,7 +197,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
 
     names = block_names(len(layers), block_size)
     store = HostStore(device=device, block_size=block_size, prefetch=prefetch, family=fam, block_names=names,
-                      codegen=codegen or default_codegen(device), memory_budget=budget)
+                      codegen=codegen or default_codegen(device), memory_budget=budget, block_major=block_major)
     block_of = module_blocks(fam, len(layers), block_size)
     attention_undo = attention.use(config)  # SDPA as eager calls it, also under torch.compile
     if attention_undo is not None:

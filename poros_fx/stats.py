@@ -19,7 +19,9 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     ``block_names``, ``bytes_loaded``, ``loads`` (tensors), ``copies`` (host-to-device copy calls: one per
     contiguous host range of a block), ``bytes_copied``, ``evictions``, ``eager_loads`` (of ``loads``: made
     outside the poros graphs by ``poros::load`` itself, neither streamed nor recomputed), ``recomputed_blocks``,
-    ``forward_runs``, ``backward_runs``, ``host_bytes`` (the base's bytes in the host store),
+    ``forward_runs``, ``backward_runs`` (per micro-batch), ``block_major_steps`` and ``block_major_micro_batches``
+    (accumulation steps that ran block-major, each block loaded once for their micro-batches, and how many
+    micro-batches they had; ``runtime/accumulate.py``), ``host_bytes`` (the base's bytes in the host store),
     ``pinned_host_bytes`` (page-locked bytes the store holds: its arena, within 512 bytes per tensor of
     ``host_bytes``; 0 on a CPU compute device), ``head_chunks`` (row chunks the lm_head is loaded in),
     ``pinned``, ``block_size``, ``prefetch``, ``device``, ``codegen`` (prepare's: how regions run unless

@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import weakref
@@ -36,6 +37,7 @@ from torch import nn
 from .errors import PorosConfigError
 from .options import PorosOptions
 from .prepare import AUTO, check_no_checkpointing, get_store, prepare
+from .runtime import accumulate as accumulation
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -61,7 +63,7 @@ class PorosStep(Generic[P, R]):
     def __init__(self, fn: Callable[P, R], *, accumulate: int | None = None, block_size: int | None = None,
                  prefetch: int | str | None = None, stream: bool = True, dump: str | None = None,
                  codegen: str | None = None, device: str | torch.device | None = None,
-                 memory_budget: int | str | None = None) -> None:
+                 memory_budget: int | str | None = None, block_major: bool | None = None) -> None:
         if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
             raise PorosConfigError(f"accumulate must be an integer >= 1 (micro-batches per call), got {accumulate!r}")
         options: dict[str, Any] = {"stream": stream}
@@ -75,6 +77,8 @@ class PorosStep(Generic[P, R]):
             options["codegen"] = codegen
         if memory_budget is not None:
             options["memory_budget"] = memory_budget
+        if block_major is not None:
+            options["block_major"] = block_major
         PorosOptions.from_dict(options)  # bad options raise here, at decoration, not at the first step
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -141,16 +145,22 @@ class PorosStep(Generic[P, R]):
             if len(micro_batches) != self.accumulate:
                 raise PorosConfigError(f"{name} has accumulate={self.accumulate} but got {len(micro_batches)} "
                                        f"micro-batches in {where}")
+        streamed = []
         for slot in modules:
             module = slots.get(slot)
             if next(module.parameters(), None) is not None:  # a parameterless loss module has nothing to stream
                 slots.set(slot, self.compiled(module))
+                streamed.append(module)
         if self.accumulate is None:
             return self.fn(*bound.args, **bound.kwargs)
-        results = []
-        for micro_batch in micro_batches:
-            slots.set(micro, micro_batch)
-            results.append(self.fn(*bound.args, **bound.kwargs))
+        with contextlib.ExitStack() as block_major_steps:
+            if self.accumulate > 1 and self.options["stream"] and self.options.get("block_major") is not False:
+                for module in streamed:  # each block loaded once for all micro-batches (runtime/accumulate.py)
+                    block_major_steps.enter_context(accumulation.block_major(module, list(micro_batches)))
+            results = []
+            for micro_batch in micro_batches:
+                slots.set(micro, micro_batch)
+                results.append(self.fn(*bound.args, **bound.kwargs))
         return results
 
     def __repr__(self) -> str:
@@ -200,24 +210,28 @@ def step(fn: Callable[P, R], /) -> PorosStep[P, R]: ...
 @overload
 def step(*, accumulate: int | None = None, block_size: int | None = None, prefetch: int | str | None = None,
          stream: bool = True, dump: str | None = None, codegen: str | None = None,
-         device: str | torch.device | None = None,
-         memory_budget: int | str | None = None) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
+         device: str | torch.device | None = None, memory_budget: int | str | None = None,
+         block_major: bool | None = None) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
 
 
 def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, block_size: int | None = None,
          prefetch: int | str | None = None, stream: bool = True, dump: str | None = None, codegen: str | None = None,
-         device: str | torch.device | None = None,
-         memory_budget: int | str | None = None) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
+         device: str | torch.device | None = None, memory_budget: int | str | None = None,
+         block_major: bool | None = None) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
     """Decorate a training-step function so its model arguments are streamed by poros.
 
     ``@step`` or ``@step(accumulate=N, block_size=..., prefetch=..., stream=..., dump=..., codegen=...,
-    device=..., memory_budget=...)``. ``block_size``, ``prefetch``, ``stream``, ``dump``, ``codegen``
-    (``"inductor"`` | ``"eager"``) and ``memory_budget`` (``"24GB"``: blocks that fit stay resident,
-    ``runtime/budget.py``) are the backend's ``options``; ``device`` (and
+    device=..., memory_budget=..., block_major=...)``. ``block_size``, ``prefetch``, ``stream``, ``dump``,
+    ``codegen`` (``"inductor"`` | ``"eager"``), ``memory_budget`` (``"24GB"``: blocks that fit stay resident,
+    ``runtime/budget.py``) and ``block_major`` are the backend's ``options``; ``device`` (and
     ``block_size`` / ``prefetch``) go to ``poros_fx.prepare`` for a model that is not prepared yet
     (unset: prepare's defaults, ``block_size=1``, ``prefetch="auto"``).
     With ``accumulate=N`` the call takes a list of N micro-batches and returns the list of the N
     results; the function is called on each in order and the decorator does not rescale the loss.
+    Streamed, the N micro-batches run block-major (``runtime/accumulate.py``: each block loaded once
+    for all of them, the adapter bit-identical to micro-batch order); pass the micro-batches with
+    their tensors on the model's device and hand them to the model as they are. ``block_major=False``
+    runs them one after the other.
 
     Example::
 
@@ -233,7 +247,8 @@ def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, 
     """
     def decorate(f: Callable[P, R]) -> PorosStep[P, R]:
         return PorosStep(f, accumulate=accumulate, block_size=block_size, prefetch=prefetch, stream=stream,
-                         dump=dump, codegen=codegen, device=device, memory_budget=memory_budget)
+                         dump=dump, codegen=codegen, device=device, memory_budget=memory_budget,
+                         block_major=block_major)
 
     if fn is not None:
         if not callable(fn):

@@ -22,7 +22,8 @@ def run(mode, family, dtype, nf4, accumulate, block_size, prefetch, **cfg):
         poros_fx.prepare(model, device="cpu", block_size=block_size, prefetch=prefetch)
         step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
     batches = demo_batches(STEPS * accumulate, vocab=256, seq=24, batch=2, seed=7)
-    return train(model, step_model, batches, accumulate=accumulate), model
+    # streamed, accumulation runs block-major (each block loaded once per optimizer step), as every surface does
+    return train(model, step_model, batches, accumulate=accumulate, block_major=mode == "stream"), model
 
 
 CASES = [
@@ -49,6 +50,7 @@ def test_streamed_equals_resident_and_eager(family, dtype, nf4, accumulate, bloc
     assert diffs == ZERO, format_diffs("streamed vs stream=False", diffs)
     stats = poros_fx.stats(model)
     assert stats["recomputed_blocks"] == stats["backward_runs"] * (len(stats["block_bytes"]) - 1)
+    assert stats["block_major_steps"] == (STEPS if accumulate > 1 else 0)
     if vs_eager:
         eager, _ = run("eager", family, dtype, nf4, accumulate, block_size, prefetch)
         diffs = compare(streamed, eager)

@@ -228,7 +228,8 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
                 schedule.turnaround = turnaround
             schedule.runtime = GraphRuntime(store, schedule.stream, phase,
                                             measure=schedule.auto_prefetch and phase == "forward",
-                                            turnaround=turnaround)
+                                            turnaround=turnaround, schedule=schedule,
+                                            training=bool(schedule.blocks))
             if not schedule.blocks:  # an inference graph: no joint graph went through the partitioner
                 schedule.num_fwd_outputs = len(next(iter(graph.graph.find_nodes(op="output"))).args[0])
                 for inference_pass in INFERENCE_PASSES:

@@ -277,6 +277,8 @@ class Region:
     trace_seconds: float
     layers: list[int] = dataclasses.field(default_factory=list)
     compiled: dict[str, tuple[Callable, Callable | None]] = dataclasses.field(default_factory=dict)
+    # per codegen: what the compiled forward takes from the random generators (runtime/draws.py)
+    draws: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     compile_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     lowered: bool = False  # the region passes ran on its graphs
 
@@ -315,6 +317,7 @@ class Region:
         backward.__name__ = backward.__qualname__ = f"region_{name}_backward"
         forward.poros_region = (self, "forward")  # type: ignore[attr-defined]
         backward.poros_region = (self, "backward")  # type: ignore[attr-defined]
+        forward.poros_draws = tuple(self.draws[codegen])  # type: ignore[attr-defined]
         return forward, (backward if bw is not None else None)
 
 
@@ -604,20 +607,24 @@ def compile_region(region: Region, codegen: str) -> None:
     """``region.compiled[codegen]``: boxed callables of its forward and backward."""
     if codegen in region.compiled:
         return
+    from ..runtime.draws import graph_draws
+
     started = time.perf_counter()
     fw_metas = region.input_meta
     if codegen == "eager":
         compiled = (_boxed(region.forward), _boxed(region.backward) if region.backward is not None else None)
+        draws = graph_draws(region.forward.graph)
     elif codegen == "inductor":
-        fw = _inductor(region.forward, fw_metas, is_backward=False, inference=region.backward is None)
+        fw, draws = _inductor(region.forward, fw_metas, is_backward=False, inference=region.backward is None)
         bw = None
         if region.backward is not None:
             bw_metas = [_meta(p) for p in region.backward.graph.find_nodes(op="placeholder")]
-            bw = _inductor(region.backward, bw_metas, is_backward=True, inference=False)
+            bw, _ = _inductor(region.backward, bw_metas, is_backward=True, inference=False)
         compiled = (fw, bw)
     else:
         raise PorosConfigError(f"codegen must be one of {CODEGENS}, got {codegen!r}")
     region.compiled[codegen] = compiled
+    region.draws[codegen] = draws
     region.compile_seconds[codegen] = time.perf_counter() - started
     logger.info("poros: compiled region %s (%s) in %.1f s", region.name, codegen, region.compile_seconds[codegen])
 
@@ -631,10 +638,15 @@ def _boxed(gm: fx.GraphModule) -> Callable:
     return boxed
 
 
-def _inductor(gm: fx.GraphModule, metas: list[TensorMeta], *, is_backward: bool, inference: bool) -> Callable:
+def _inductor(gm: fx.GraphModule, metas: list[TensorMeta], *, is_backward: bool,
+              inference: bool) -> tuple[Callable, list[Any]]:
     """``gm`` through Inductor the way ``torch.compile`` takes a graph: decomposed with Inductor's
     table, Inductor's joint-graph passes (canonicalization, patterns, its own random ops), then
-    ``compile_fx_inner`` (the entry point AOTAutograd calls for each graph it compiles)."""
+    ``compile_fx_inner`` (the entry point AOTAutograd calls for each graph it compiles). Returns the
+    compiled code and its draws (``runtime/draws.py``: the random ops of the graph Inductor lowers,
+    its seeds and any random op it leaves as a call, are what the code takes from the generators)."""
+    from ..runtime.draws import graph_draws
+
     from torch._guards import TracingContext, tracing
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
@@ -650,7 +662,8 @@ def _inductor(gm: fx.GraphModule, metas: list[TensorMeta], *, is_backward: bool,
             with mode:
                 decomposed = make_fx(gm, decomposition_table=select_decomp_table())(*inputs)
             decomposed = joint_graph_passes(decomposed)
-            return compile_fx_inner(decomposed, inputs, is_backward=is_backward, is_inference=inference)
+            draws = graph_draws(decomposed.graph)  # before compile_fx_inner, which changes the graph
+            return compile_fx_inner(decomposed, inputs, is_backward=is_backward, is_inference=inference), draws
 
 
 # -- the ops ---------------------------------------------------------------------------------------------

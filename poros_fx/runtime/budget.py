@@ -1,17 +1,26 @@
 """A memory budget: which blocks stay on the device for the whole run, so fewer bytes cross the link.
 
 With ``memory_budget`` set, the first step runs fully streamed and measures its own peak (on CUDA
-``torch.cuda.max_memory_allocated``, everything the step allocates; on the CPU the ledger's base
+``torch.cuda.max_memory_allocated``, everything the process allocates; on the CPU the ledger's base
 bytes). That is the streamed minimum: a budget below it raises ``PorosOOMError`` naming it. The rest,
 ``budget - streamed peak``, is spent on blocks that then stay resident: loaded once, never evicted
 and never loaded again, so each one takes ``2 x its bytes`` off every later step. Layer blocks are
 equal in size and each saves the same, so the plan keeps them from the last block backwards (the
 head first, then the last layers: the backward's first blocks, the ones a turn-around would keep).
 
+What the step itself adds on top of what was allocated when it started (its *transient*: boundary
+activations, of every micro-batch when they run block-major, the loaded blocks, gradients, logits)
+is measured once, in that first step. What stays allocated between steps can grow after it: the
+optimizer's state appears at the first ``optimizer.step()``, after the first step's backward. So every
+later training forward checks ``allocated now (less the kept blocks) + transient + kept blocks``
+against the budget before it runs, and gives kept blocks back (the earliest layers first) until it
+fits; ``adjustments`` in the plan say when and why.
+
 Resident blocks are still recomputed in the backward (only their loads are skipped): the graphs and
 kernels do not change with the plan, so streamed == ``stream=False`` holds for every budget, and the
-plan can change between steps without a recompile. Predicted peak = streamed peak + resident bytes
-(each resident block's streamed copy is already inside the streamed peak, so this over-predicts).
+plan can change between steps without a recompile. Predicted peak = allocated between steps +
+transient + resident bytes (each resident block's streamed copy is already inside the transient, so
+this over-predicts).
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from typing import Any
 import torch
 
 from ..errors import PorosConfigError, PorosOOMError
+from .arena import nbytes
+from .store import cache_key
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 
@@ -49,37 +60,55 @@ class ResidencyPlan:
     measured_on: str  # "cuda: max_memory_allocated" | "cpu: base bytes (ledger)"
     resident_blocks: list[str]  # block names that stay on the device
     resident_bytes: int
-    streamed_bytes_per_step: int  # base bytes copied per micro-batch with the plan (forward + backward)
+    streamed_bytes_per_step: int  # base bytes copied per pass pair (forward + backward) with the plan
     streamed_bytes_per_step_before: int  # ... without it
-
-    @property
-    def predicted_peak(self) -> int:
-        return self.streamed_peak + self.resident_bytes
+    transient: int = 0  # what the first step added to what was allocated when it started
+    predicted_peak: int = 0  # allocated between steps (kept blocks aside) + transient + resident bytes
+    adjustments: list[str] = dataclasses.field(default_factory=list)  # kept blocks given back later, and why
 
     def as_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "predicted_peak": self.predicted_peak}
+        return dataclasses.asdict(self)
 
 
-def plan(store: Any, budget: int, streamed_peak: int, measured_on: str) -> ResidencyPlan:
+def plan(store: Any, budget: int, streamed_peak: int, measured_on: str, transient: int | None = None) -> ResidencyPlan:
     """The blocks of ``store`` that stay resident under ``budget`` (see the module docstring)."""
     if budget < streamed_peak:
         raise PorosOOMError(f"memory_budget {_size(budget)} is below what the fully streamed step needs: its first step "
                             f"peaked at {_size(streamed_peak)} ({measured_on}); the smallest budget that works is "
                             f"{streamed_peak} bytes ({_size(streamed_peak)}), or stream with a smaller block_size / prefetch")
     sizes = store.block_bytes()
-    # every block that loads base bytes loads them twice per micro-batch (forward, recompute); a gathering
+    keep = _fitting(sizes, budget - streamed_peak)
+    kept = sum(sizes[i] for i in keep)
+    before = _streamed_bytes(sizes)
+    return ResidencyPlan(budget=budget, streamed_peak=streamed_peak, measured_on=measured_on,
+                         resident_blocks=[store.block_names[i] for i in sorted(keep)], resident_bytes=kept,
+                         streamed_bytes_per_step=before - 2 * kept, streamed_bytes_per_step_before=before,
+                         transient=streamed_peak if transient is None else transient,
+                         predicted_peak=streamed_peak + kept)
+
+
+def _streamed_bytes(sizes: list[int]) -> int:
+    # every block that loads base bytes loads them twice per pass pair (forward, recompute); a gathering
     # embedding loads none (its rows come from the host store)
-    streamed = [i for i, n in enumerate(sizes) if n]
-    before = 2 * sum(sizes[i] for i in streamed)
-    room, keep = budget - streamed_peak, []
-    for i in reversed(streamed):
+    return 2 * sum(sizes)
+
+
+def _fitting(sizes: list[int], room: int) -> list[int]:
+    """Blocks kept in ``room`` bytes: from the last block backwards (the backward's first)."""
+    keep = []
+    for i in reversed([i for i, n in enumerate(sizes) if n]):
         if sizes[i] <= room:
             keep.append(i)
             room -= sizes[i]
+    return keep
+
+
+def estimate(sizes: list[int], names: list[str], budget: int, streamed_peak: int) -> tuple[list[str], int, int]:
+    """For ``poros-fx check``: (blocks kept, bytes kept, base bytes copied per pass pair) for a budget and
+    an estimated streamed peak, by the rule ``plan`` applies to the measured one."""
+    keep = _fitting(sizes, budget - streamed_peak) if budget >= streamed_peak else []
     kept = sum(sizes[i] for i in keep)
-    return ResidencyPlan(budget=budget, streamed_peak=streamed_peak, measured_on=measured_on,
-                         resident_blocks=[store.block_names[i] for i in sorted(keep)], resident_bytes=kept,
-                         streamed_bytes_per_step=before - 2 * kept, streamed_bytes_per_step_before=before)
+    return [names[i] for i in sorted(keep)], kept, _streamed_bytes(sizes) - 2 * kept
 
 
 def _size(n: int) -> str:
@@ -96,12 +125,23 @@ def resident_hosts(store: Any, plan: ResidencyPlan) -> set[int]:
     return {id(e.host) for e in store.entries.values() if e.blocks and set(e.blocks) <= keep}
 
 
+def _allocated(store: Any) -> int:
+    """What counts against the budget now: CUDA's allocated bytes; on the CPU the ledger's base bytes."""
+    if store.device.type == "cuda":
+        return torch.cuda.memory_allocated(store.device)
+    return store.ledger.resident_bytes
+
+
 def start_measuring(store: Any) -> None:
-    """Before the first step of a store with a budget: start its peak from zero (CUDA's peak counter is
-    the process's; this resets it)."""
-    if store.memory_budget is None or store.plan is not None or store.budget_measuring:
+    """Before a training forward of a store with a budget: the first one starts the peak measurement
+    (CUDA's peak counter is the process's; this resets it); a later one checks the plan (``fit``)."""
+    if store.memory_budget is None or store.budget_measuring:
+        return
+    if store.plan is not None:
+        fit(store)
         return
     store.budget_measuring = True
+    store.budget_start = _allocated(store)
     if store.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(store.device)
 
@@ -114,5 +154,51 @@ def measure_and_plan(store: Any) -> None:
         peak, how = torch.cuda.max_memory_allocated(store.device), "cuda: max_memory_allocated over the first step"
     else:
         peak, how = store.ledger.peak_resident_base_bytes, "cpu: base bytes on the device (ledger)"
-    store.plan = plan(store, store.memory_budget, peak, how)
+    store.plan = plan(store, store.memory_budget, peak, how, transient=peak - store.budget_start)
     store.kept_hosts = resident_hosts(store, store.plan)
+    store.budget_measuring = False
+
+
+def fit(store: Any) -> None:
+    """Before a training forward with a plan: if what stays allocated between steps grew since the plan
+    (the optimizer's state, the user's tensors), give kept blocks back, earliest layer first, until
+    ``allocated - kept + transient + kept`` fits the budget; ``PorosOOMError`` if nothing kept is left
+    to give and it still does not."""
+    p = store.plan
+    resident = sum(nbytes(t) for t in store.resident_cache.values() if id(t) in store.kept_ids)
+    baseline = _allocated(store) - resident
+    p.predicted_peak = baseline + p.transient + p.resident_bytes
+    if p.predicted_peak <= p.budget:
+        return
+    sizes = store.block_bytes()
+    given = []
+    while p.resident_blocks and baseline + p.transient + p.resident_bytes > p.budget:
+        name = p.resident_blocks.pop(0)
+        index = store.block_names.index(name)
+        p.resident_bytes -= sizes[index]
+        p.streamed_bytes_per_step += 2 * sizes[index]
+        given.append(name)
+        _release_block(store, index)
+    store.kept_hosts = resident_hosts(store, p)
+    p.predicted_peak = baseline + p.transient + p.resident_bytes
+    if p.predicted_peak > p.budget:
+        smallest = baseline + p.transient
+        raise PorosOOMError(f"memory_budget {_size(p.budget)} no longer holds the streamed step: {_size(baseline)} stays "
+                            f"allocated between steps now (the optimizer's state, tensors of your own) and the step "
+                            f"adds {_size(p.transient)}; the smallest budget that works now is {smallest} bytes "
+                            f"({_size(smallest)})")
+    if given:
+        p.adjustments.append(f"after forward run {store.ledger.forward_runs}: {_size(baseline)} stays allocated between "
+                             f"steps (was {_size(store.budget_start)} when the first step started: optimizer state?); "
+                             f"gave back {len(given)} kept block(s) ({given[0]}..{given[-1]})")
+
+
+def _release_block(store: Any, index: int) -> None:
+    """Drop the kept device copies of block ``index`` (the next step streams it again)."""
+    for entry in store.entries.values():
+        if entry.blocks and index in entry.blocks:
+            tensor = store.resident_cache.pop(cache_key(entry.host), None)
+            booked = store.kept_ids.pop(id(tensor), None) if tensor is not None else None
+            if booked:
+                store.ledger.on_evict(nbytes(tensor))
+

@@ -35,7 +35,7 @@ import torch
 from ..errors import PorosConfigError, PorosOOMError
 from .arena import ALIGN, nbytes
 from . import budget
-from .store import HostStore
+from .store import HostStore, cache_key
 
 RUN_GAP = 256 * 2**10  # host bytes a copy may span that no load reads, rather than start another copy
 
@@ -93,17 +93,21 @@ def plan_group(hosts: list[torch.Tensor]) -> GroupPlan:
     return GroupPlan(-(-size // 16) * 16, tuple(ranges), tuple(views), tuple(strided), dtypes, copied)
 
 
-def _cache_key(host: torch.Tensor) -> tuple[Any, ...]:
-    # a head chunk's slice is a new tensor every run: key by address, shape and dtype
-    return (host.data_ptr(), tuple(host.shape), host.dtype)
-
-
 class GraphRuntime:
     def __init__(self, store: HostStore | None, stream: bool, phase: str, measure: bool = False,
-                 turnaround: frozenset[int] = frozenset()) -> None:
+                 turnaround: frozenset[int] = frozenset(), schedule: Any = None, training: bool = False) -> None:
         self.store = store
         self.stream = stream
         self.phase = phase
+        self.schedule = schedule  # compiler.schedule.Schedule of the graph (its forward and backward share it)
+        # a training graph that streams: an optimizer step's micro-batches may run it together
+        # (runtime/accumulate.py), unless options={"block_major": False}
+        wanted = schedule.options.block_major if schedule is not None else None
+        self.block_major = (stream and training and store is not None
+                            and (store.block_major if wanted is None else wanted))
+        self.graph_module: Any = None  # the graph ``wrap`` runs (lockstep plans read it)
+        self.num_outputs = 0
+        self._lockstep: dict[Any, Any] = {}  # (phase, per-micro-batch inputs) -> lockstep plan
         # forward blocks whose copies stay for the backward, which starts with them (turn-around)
         self.turnaround = turnaround
         self.overlap = stream and store is not None and store.device.type == "cuda"
@@ -122,7 +126,7 @@ class GraphRuntime:
         by the group's ``GroupPlan``."""
         kept = self.stream and bool(self.store.kept_hosts) and all(id(h) in self.store.kept_hosts for h in hosts)
         if kept:  # a block the memory budget keeps resident (runtime/budget.py): copied once, then reused
-            cached = [self.store.resident_cache.get(_cache_key(h)) for h in hosts]
+            cached = [self.store.resident_cache.get(cache_key(h)) for h in hosts]
             if all(t is not None for t in cached):
                 return cached
         if self.phase == "backward" and self.store.turnaround:
@@ -137,7 +141,7 @@ class GraphRuntime:
             self.store.stashed_ids.update(id(t) for t in out)
         if kept:
             for h, t in zip(hosts, out):
-                self.store.resident_cache[_cache_key(h)] = t
+                self.store.resident_cache[cache_key(h)] = t
                 self.store.kept_ids[id(t)] = False
         return out
 
@@ -193,7 +197,7 @@ class GraphRuntime:
             self._blocks_loaded.add(block)
             return out
         if not self.stream:
-            key = _cache_key(host)
+            key = cache_key(host)
             cached = self.store.resident_cache.get(key)
             if cached is None:
                 cached = self._allocate(host.shape, host.stride(), host.dtype, device, block)
@@ -267,27 +271,91 @@ class GraphRuntime:
             size = math.prod(shape) * dtype.itemsize
             raise PorosOOMError(self.store.oom_message(block, size, self.stream)) from e
 
-    def wrap(self, compiled: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
-        """A boxed callable that runs ``compiled`` and books the run in the ledger."""
+    def wrap(self, compiled: Any) -> Callable[[list[Any]], Any]:
+        """A boxed callable that runs ``compiled`` (the graph module after the passes) and books the run
+        in the ledger; inside a block-major step (``runtime/accumulate.py``) the step decides how."""
+        self.graph_module = compiled
+        self.num_outputs = len(next(iter(compiled.graph.find_nodes(op="output"))).args[0])
 
         def run(args: list[Any]) -> Any:
             if self.store is None:
-                return self._run(compiled, args)
-            steps = self.store.steps
-            steps.begin()  # one graph of a model at a time (runtime/store.py)
-            if self.stream and self.phase == "forward":
-                budget.start_measuring(self.store)
-            try:
-                out = self._run(compiled, args)
-            finally:
-                steps.end()
-            if self.stream and self.phase == "backward":
-                self._drop_turnaround()
-                budget.measure_and_plan(self.store)  # after the first step: which blocks stay resident
-            return out
+                return self._run(lambda: compiled(args))
+            step = self.store.accumulation
+            if step is not None and self.block_major:
+                return step.call(self, compiled, args)
+            return self.execute(lambda: compiled(args))
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
+
+    def execute(self, graph_run: Callable[[], Any], runs: int = 1) -> Any:
+        """``graph_run()`` (this graph for one micro-batch, or ``runs`` of them together) with the
+        store's bookkeeping around it: one graph at a time, the memory budget's measured first step, the
+        turn-around copies no backward took."""
+        steps = self.store.steps
+        steps.begin()  # one graph of a model at a time (runtime/store.py)
+        if self.stream and self.phase == "forward":
+            budget.start_measuring(self.store)
+        try:
+            out = self._run(graph_run, runs)
+        finally:
+            steps.end()
+        if self.stream and self.phase == "backward":
+            self._drop_turnaround()
+            budget.measure_and_plan(self.store)  # after the first step: which blocks stay resident
+        return out
+
+    # -- block-major accumulation (runtime/accumulate.py) --------------------------------------------------
+
+    def lockstep_refusal(self) -> str | None:
+        """Why this graph cannot run for several micro-batches together, or ``None``."""
+        from .accumulate import node_draws
+
+        for n in self.graph_module.graph.nodes:
+            if n.op != "call_function":
+                continue
+            target = n.target
+            if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+                return f"the {self.phase} graph mutates an input ({n.name}: {target})"
+            try:
+                found = node_draws(n)
+            except ValueError as e:
+                return f"the {self.phase} graph draws random numbers poros cannot replay ({e})"
+            if found is not None and self.phase == "backward":
+                return f"the backward graph draws fresh random numbers ({n.name})"
+        return None
+
+    def lockstep_plan(self, per_micro_batch: frozenset[int]) -> tuple[Any, list[Any], tuple[torch.device, ...]]:
+        """The forward graph's lockstep plan for these per-micro-batch inputs, its draws (one
+        micro-batch's), and the devices whose generators it draws from (the CPU's always)."""
+        key = ("forward", per_micro_batch)
+        if key not in self._lockstep:
+            from .accumulate import graph_draws, node_draws
+            from .lockstep import Lockstep
+
+            gm = self.graph_module
+            plan = Lockstep(gm, per_micro_batch, is_evict=self._is_evict, draws=lambda n: node_draws(n) is not None)
+            found = graph_draws(gm)
+            devices = {torch.device("cpu")} | {d.device for d in found}
+            if self.store.device.type == "cuda":
+                devices.add(torch.device("cuda", self.store.device.index))
+            ordered = tuple(sorted(devices, key=lambda d: (d.type != "cpu", d.index or 0)))
+            self._lockstep[key] = (plan, found, ordered)
+        return self._lockstep[key]
+
+    def backward_plan(self, per_micro_batch: frozenset[int]) -> Any:
+        """The backward graph's lockstep plan, its outputs (parameter gradients) summed."""
+        key = ("backward", per_micro_batch)
+        if key not in self._lockstep:
+            from .lockstep import Lockstep
+
+            self._lockstep[key] = Lockstep(self.graph_module, per_micro_batch, is_evict=self._is_evict,
+                                           draws=lambda n: False, reduce=True)
+        return self._lockstep[key]
+
+    def _is_evict(self, node: Any) -> bool:
+        target = node.target
+        return getattr(target, "__func__", None) is GraphRuntime.evict and target.__self__ is self
 
     def _drop_turnaround(self) -> None:
         """Turn-around copies no backward took (another graph's, or an abandoned forward's): gone."""
@@ -301,10 +369,10 @@ class GraphRuntime:
                 self.store.stashed_ids.discard(id(t))
                 self.store.ledger.on_evict(nbytes(t))
 
-    def _run(self, compiled: Callable[[list[Any]], Any], args: list[Any]) -> Any:
-        """Run ``compiled`` and book the run in the ledger."""
+    def _run(self, graph_run: Callable[[], Any], runs: int = 1) -> Any:
+        """``graph_run()``, booked in the ledger as ``runs`` runs of the graph."""
         self._blocks_loaded = set()
-        out = compiled(args)
+        out = graph_run()
         if self._group or self._pending:
             raise AssertionError(f"{self.phase} graph ended with loads it never waited for")
         self._waited = None
@@ -313,8 +381,8 @@ class GraphRuntime:
         if self.store is not None:
             ledger = self.store.ledger
             if self.phase == "forward":
-                ledger.forward_runs += 1
+                ledger.forward_runs += runs
             else:
-                ledger.backward_runs += 1
-                ledger.recomputed_blocks += len(self._blocks_loaded)
+                ledger.backward_runs += runs
+                ledger.recomputed_blocks += len(self._blocks_loaded) * runs
         return out

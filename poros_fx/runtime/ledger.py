@@ -27,6 +27,8 @@ class ResidencyLedger:
     recomputed_blocks: int = 0
     forward_runs: int = 0
     backward_runs: int = 0
+    block_major_steps: int = 0  # accumulation steps whose micro-batches ran block-major (runtime/accumulate.py)
+    block_major_micro_batches: int = 0  # the micro-batches of those steps
 
     def on_load(self, nbytes: int) -> None:
         self.loads += 1

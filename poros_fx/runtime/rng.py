@@ -10,9 +10,12 @@ skip is the higher-order op's dispatch (key set, pytree flattening, the autograd
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import torch
+
+SAVE, RESTORE = "save", "restore"  # the ``poros_rng`` mark of each wrapper (runtime/accumulate.py reads it)
 
 
 def run_and_save_rng_state_cpu(op: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -27,6 +30,10 @@ def run_with_rng_state_cpu(rng_state: torch.Tensor, op: Any, *args: Any, **kwarg
     return out
 
 
+run_and_save_rng_state_cpu.poros_rng = SAVE  # type: ignore[attr-defined]
+run_with_rng_state_cpu.poros_rng = RESTORE  # type: ignore[attr-defined]
+
+
 def save_on(device: torch.device) -> Callable[..., tuple[torch.Tensor, Any]]:
     """``run_and_save_rng_state`` for ``device``. torch's CUDA implementation reads the *current*
     device's generator; the op's tensors may live on another (``prepare(device="cuda:1")`` while the
@@ -39,6 +46,7 @@ def save_on(device: torch.device) -> Callable[..., tuple[torch.Tensor, Any]]:
         return torch.cuda.get_rng_state(index), op(*args, **kwargs)
 
     run_and_save_rng_state_cuda.__name__ = run_and_save_rng_state_cuda.__qualname__ = f"run_and_save_rng_state_cuda{index}"
+    run_and_save_rng_state_cuda.poros_rng = SAVE  # type: ignore[attr-defined]
     return run_and_save_rng_state_cuda
 
 
@@ -57,4 +65,31 @@ def restore_on(device: torch.device) -> Callable[..., Any]:
         return out
 
     run_with_rng_state_cuda.__name__ = run_with_rng_state_cuda.__qualname__ = f"run_with_rng_state_cuda{index}"
+    run_with_rng_state_cuda.poros_rng = RESTORE  # type: ignore[attr-defined]
     return run_with_rng_state_cuda
+
+
+@dataclasses.dataclass(frozen=True)
+class Generators:
+    """The default random generators of ``devices`` (the CPU's, a CUDA device's), read and set together."""
+
+    devices: tuple[torch.device, ...]
+
+    def get(self) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.get_rng_state() if d.type == "cpu" else torch.cuda.get_rng_state(_index(d))
+                     for d in self.devices)
+
+    def set(self, states: Sequence[torch.Tensor]) -> None:
+        for d, state in zip(self.devices, states):
+            if d.type == "cpu":
+                torch.set_rng_state(state)
+            else:
+                torch.cuda.set_rng_state(state, _index(d))
+
+    @staticmethod
+    def same(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()

@@ -26,6 +26,12 @@ from .ledger import ResidencyLedger
 SCHEDULES_KEPT = 32
 
 
+def cache_key(host: torch.Tensor) -> tuple[Any, ...]:
+    """The key of ``host``'s device copy in ``HostStore.resident_cache``: a head chunk's slice is a new
+    tensor every run, so address, shape and dtype rather than the tensor."""
+    return (host.data_ptr(), tuple(host.shape), host.dtype)
+
+
 @dataclasses.dataclass(eq=False)
 class HostEntry:
     """One frozen tensor in the store."""
@@ -73,12 +79,16 @@ class HostStore:
     regions: Any = None  # compiler.regions.RegionTable of the decoder layers (None: layers traced inline)
     memory_budget: int | None = None  # bytes the step may use on the device (runtime/budget.py); None: stream all
     budget_measuring: bool = False  # the first step (fully streamed) is measuring its peak for the plan
+    budget_start: int = 0  # bytes allocated when that first step started (runtime/budget.py)
     plan: Any = None  # runtime.budget.ResidencyPlan, made after the first step when there is a budget
     kept_hosts: set[int] = dataclasses.field(default_factory=set)  # ids of host tensors the plan keeps resident
     kept_ids: dict[int, bool] = dataclasses.field(default_factory=dict)  # id(device copy) kept -> booked in the ledger
     # turn-around: a training forward's last blocks stay for the backward, which starts with them
     turnaround: dict[tuple[int, ...], list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # host ptrs -> copies
     stashed_ids: set[int] = dataclasses.field(default_factory=set)  # ids of those copies, booked, not yet evicted
+    block_major: bool = True  # accumulation steps run block-major (prepare's; options={"block_major": ...} wins)
+    accumulation: Any = None  # runtime.accumulate.BlockMajorStep of the optimizer step in flight, if block-major
+    block_major_warned: bool = False  # a step ran micro-batch-major instead and said why (once per model)
     _copy_stream: Any = dataclasses.field(default=None, repr=False)
 
     def block_bytes(self) -> list[int]:

@@ -11,7 +11,9 @@ decoder layer under plain ``torch.compile``, resident) and ``compiled_regional_c
 with activation checkpointing), ``poros`` (streamed, one row per block size; the default options, so
 prefetch "auto" and the device's codegen), ``poros_eager`` / ``poros_inductor`` (each codegen by name),
 ``poros_resident`` (``options={"stream": False}``), ``poros_budget`` (``options={"memory_budget":
---memory-budget}``: after the first step the blocks that fit stay resident) and, opt-in, ``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor
+--memory-budget}``: after the first step the blocks that fit stay resident), ``poros_micro_major``
+(``options={"block_major": False}``: accumulated micro-batches one after the other; every other poros
+method runs an accumulation row block-major, ``runtime/accumulate.py``) and, opt-in, ``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor
 instead of per block) and ``poros_prefetch1`` (``options={"prefetch": 1}``: the fixed depth that was the
 default before "auto"). Models: random-init
 Qwen2.5 shapes (0.5b/7b/32b/72b), or ``tiny`` (a 2-layer qwen2 config, for CPU runs). Recipe: LoRA
@@ -51,6 +53,7 @@ On the lent H200 run it as ``python3 -m poros_fx.tools.bench`` (the machine may 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -89,6 +92,8 @@ class Runner:
 
     forward: Callable[..., Any]  # forward(**batch, use_cache=False) -> output with .loss
     teardown: Callable[[], None] = lambda: None
+    # the context an optimizer step's micro-batches run in (poros: block-major, runtime/accumulate.py)
+    micro_batches: Callable[[list], Any] = lambda batches: contextlib.nullcontext()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,11 +175,14 @@ def _poros_teardown(model: nn.Module) -> Callable[[], None]:
 
 
 def _poros_with(**options: Any) -> Callable[[nn.Module, int | None], Runner]:
-    """A streamed poros method: the row's block size plus ``options``."""
+    """A streamed poros method: the row's block size plus ``options``; with accumulation its micro-batches
+    run block-major unless ``options`` say ``block_major=False``."""
+    from ..runtime.accumulate import block_major
 
     def setup(model: nn.Module, block_size: int | None) -> Runner:
         return Runner(torch.compile(model, backend="poros", options={"block_size": block_size or 1, **options}),
-                      teardown=_poros_teardown(model))
+                      teardown=_poros_teardown(model),
+                      micro_batches=lambda batches: block_major(model, batches))
 
     return setup
 
@@ -184,6 +192,7 @@ _poros_eager = _poros_with(codegen="eager")
 _poros_inductor = _poros_with(codegen="inductor")
 _poros_tensor_copies = _poros_with(group_copies=False)
 _poros_prefetch1 = _poros_with(prefetch=1)
+_poros_micro_major = _poros_with(block_major=False)
 
 
 def _poros_budget(model: nn.Module, block_size: int | None, memory_budget: str | None = None) -> Runner:
@@ -201,7 +210,7 @@ def _poros_budget(model: nn.Module, block_size: int | None, memory_budget: str |
             store.memory_budget = None
         clear()
 
-    return Runner(runner.forward, teardown=teardown)
+    return Runner(runner.forward, teardown=teardown, micro_batches=runner.micro_batches)
 
 
 def _poros_resident(model: nn.Module, block_size: int | None) -> Runner:
@@ -225,6 +234,9 @@ METHODS: Mapping[str, Method] = types.MappingProxyType({
     # streamed with --memory-budget: blocks that fit stay resident after the first step
     "poros_budget": Method("poros_budget", "prepared", _poros_budget, compiled=True, streams=True,
                            per_block_size=True, budget=True),
+    # accumulation micro-batch after micro-batch, each copying the base (the default runs them block-major)
+    "poros_micro_major": Method("poros_micro_major", "prepared", _poros_micro_major, compiled=True, streams=True,
+                                per_block_size=True),
     # a fixed prefetch depth of 1 against the default "auto" (opt-in, for A/B runs)
     "poros_prefetch1": Method("poros_prefetch1", "prepared", _poros_prefetch1, compiled=True, streams=True,
                               per_block_size=True),
@@ -483,6 +495,8 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
     row["streamed_gb"] = round(streamed_bytes / 1e9, 3)
     if pinned_gbps:
         row["floor_s"] = round(2 * streamed_bytes * spec.accum / (pinned_gbps * 1e9), 4)
+        if spec.accum > 1:  # block-major: each block crosses twice per optimizer step, whatever the accumulation
+            row["floor_block_major_s"] = round(2 * streamed_bytes / (pinned_gbps * 1e9), 4)
     model = holder.ensure(method.state)
     params = [p for p in model.parameters() if p.requires_grad]
     batches = _batches(holder.config.vocab_size, spec.seq, spec.accum, config.batch, device, config.seed)
@@ -500,10 +514,11 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
             _sync(device)
             start = time.perf_counter()
             total = 0.0
-            for batch in batches:
-                loss = runner.forward(**batch, use_cache=False).loss / spec.accum
-                loss.backward()
-                total += loss.detach()
+            with runner.micro_batches(batches) if spec.accum > 1 else contextlib.nullcontext():
+                for batch in batches:
+                    loss = runner.forward(**batch, use_cache=False).loss / spec.accum
+                    loss.backward()
+                    total += loss.detach()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             _sync(device)
@@ -539,6 +554,7 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
             row["h2d_gbps"] = _sig(s["bytes_loaded"] / sum(times) / 1e9)
             row["peak_resident_base_gb"] = round(s["peak_resident_base_bytes"] / 1e9, 3)
             row["copies_per_step"] = round(s["copies"] / len(times))  # host-to-device copy calls
+            row["copied_gb_per_step"] = round(s["bytes_copied"] / len(times) / 1e9, 3)  # per optimizer step
             if s["residency_plan"] is not None:  # poros_budget: the plan the first step made
                 plan = s["residency_plan"]
                 row["memory_budget_gb"] = round(plan["budget"] / 1e9, 3)

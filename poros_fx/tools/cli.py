@@ -247,6 +247,9 @@ def train(ctx: typer.Context,
           memory_budget: Optional[str] = typer.Option(None, "--memory-budget", callback=_memory_budget,
                                                       help="device memory the step may use, e.g. 24GB: after the "
                                                       "first step the blocks that fit stay resident"),
+          block_major: bool = typer.Option(True, help="with --accumulate N, run each block for all N micro-batches "
+                                           "while it is loaded (--no-block-major: one micro-batch after the other; "
+                                           "the result is the same bits)"),
           seed: int = typer.Option(0, help="seeds the LoRA init, dropout, data order (and --from-config weights)"),
           log_every: Optional[int] = typer.Option(None, min=1, help="steps between log lines when not on a terminal "
                                                   "(default: about 10 lines)")) -> None:
@@ -266,7 +269,7 @@ def train(ctx: typer.Context,
         saved = (meta, tensors)
         opts = TrainOptions(**{name: run[name] for name in SETTINGS}, steps=run["steps"], epochs=run.get("epochs"),
                             log_every=run["log_every"], save_every=run["save_every"],
-                            memory_budget=run.get("memory_budget"),
+                            memory_budget=run.get("memory_budget"), block_major=run.get("block_major", True),
                             out=Path(run["out"]) if run.get("out") is not None else resume)
     else:
         if data is None or out is None:

@@ -9,6 +9,7 @@ checked with ``torch.equal``, never a tolerance).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Callable, Sequence
 
@@ -33,22 +34,28 @@ def adamw(model: nn.Module, lr: float = 1e-3) -> torch.optim.AdamW:
 
 
 def train(model: nn.Module, step_model: Callable, batches: Sequence[dict], *, accumulate: int = 1, lr: float = 1e-3,
-          seed: int | None = 1234, optimizer: torch.optim.Optimizer | None = None) -> Trace:
+          seed: int | None = 1234, optimizer: torch.optim.Optimizer | None = None, block_major: bool = False) -> Trace:
     """``len(batches) // accumulate`` AdamW steps; ``step_model`` is ``model`` or its compiled form.
 
     ``seed`` seeds the global generator the dropout masks come from (``None``: leave it as it is, to
-    continue a run); ``optimizer`` continues with a given optimizer instead of a fresh ``adamw(model)``.
+    continue a run); ``optimizer`` continues with a given optimizer instead of a fresh ``adamw(model)``;
+    ``block_major``: each optimizer step's micro-batches run inside ``poros_fx.block_major`` (a prepared
+    model; ``runtime/accumulate.py``).
     """
+    from ..runtime.accumulate import block_major as block_major_step
+
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer if optimizer is not None else adamw(model, lr)
     if seed is not None:
         torch.manual_seed(seed)
     trace = Trace()
     for start in range(0, len(batches) - accumulate + 1, accumulate):
-        for batch in batches[start:start + accumulate]:
-            loss = step_model(**batch, use_cache=False).loss / accumulate
-            loss.backward()
-            trace.losses.append(loss.detach().clone())
+        micro_batches = list(batches[start:start + accumulate])
+        with block_major_step(model, micro_batches) if block_major else contextlib.nullcontext():
+            for batch in micro_batches:
+                loss = step_model(**batch, use_cache=False).loss / accumulate
+                loss.backward()
+                trace.losses.append(loss.detach().clone())
         optimizer_step(trace, params, opt)
     return trace
 

@@ -90,8 +90,9 @@ def _memory(store) -> str:
     kept = ", ".join(plan.resident_blocks) or "none"
     return (f"budget {format_bytes(plan.budget)}: streamed peak {format_bytes(plan.streamed_peak)}, resident {kept} "
             f"({format_bytes(plan.resident_bytes)}), predicted peak {format_bytes(plan.predicted_peak)}, base copied "
-            f"per micro-batch {format_bytes(plan.streamed_bytes_per_step)} (was "
-            f"{format_bytes(plan.streamed_bytes_per_step_before)})")
+            f"per forward + backward {format_bytes(plan.streamed_bytes_per_step)} (was "
+            f"{format_bytes(plan.streamed_bytes_per_step_before)}; once per micro-batch, or once per optimizer step when "
+            "its micro-batches run block-major)" + "".join(f"; {note}" for note in plan.adjustments))
 
 
 def report(model: nn.Module) -> str:

@@ -33,7 +33,8 @@ _STATE_KEY = "poros_fx_train_state"
 _STATE_VERSION = 1
 # what a resumed run may change: neither touches a bit of the result (the data order does not depend on the
 # step count, and streaming is exact whatever the block size and prefetch)
-RESUMABLE = ("steps", "epochs", "block_size", "prefetch", "memory_budget", "log_every", "save_every", "out")
+RESUMABLE = ("steps", "epochs", "block_size", "prefetch", "memory_budget", "block_major", "log_every", "save_every",
+             "out")
 # the run's settings, kept in the state so that `--resume OUT` needs nothing else
 SETTINGS = ("model", "from_config", "data", "quantization", "lora_r", "lora_alpha", "lora_dropout", "target_modules",
             "lr", "weight_decay", "seq_len", "pack", "batch_size", "accumulate", "codegen", "device", "seed",
@@ -152,7 +153,7 @@ def resume_settings(given: dict[str, Any], typed: Callable[[str], bool], folder:
     if conflicts:
         raise fail(f"--resume {folder} continues a run with its own settings, and these would change its result: "
                    f"{'; '.join(conflicts)}. Leave them out (only --steps/--epochs, --block-size, --prefetch, "
-                   f"--memory-budget, --log-every, --save-every and --out may change), or start a new run")
+                   f"--memory-budget, --block-major, --log-every, --save-every and --out may change), or start a new run")
     if given.get("epochs") is not None and typed("epochs"):
         run["steps"] = None  # recomputed from the data below
     return run, meta, tensors

@@ -26,6 +26,7 @@ from ..errors import PorosError
 from ..io.data import TokenDataset, batches
 from ..io.loader import from_config as random_model
 from ..io.loader import load_pretrained
+from ..runtime.accumulate import block_major
 from .report import format_bytes, report
 from .run_state import STATE_FILE, Named, check_resumable, fingerprint, restore, rng_state, save_train_state
 from .sources import as_path, read_data, target_modules, train_source
@@ -61,6 +62,7 @@ class TrainOptions:
     log_every: Optional[int]
     save_every: Optional[int]
     memory_budget: Optional[str] = None
+    block_major: bool = True  # --accumulate N: each block runs all N micro-batches while loaded (runtime/accumulate.py)
 
 
 @dataclasses.dataclass
@@ -137,7 +139,7 @@ def _set_up(opts: TrainOptions, resume: Optional[Path], saved: Optional[tuple[di
                   f"alpha={o.lora_alpha} on {', '.join(targets)} ({sum(p.numel() for p in trainable):,} trainable "
                   f"parameters)", soft_wrap=True, highlight=False)
     model.train()
-    step_model = torch.compile(model, backend="poros")
+    step_model = torch.compile(model, backend="poros", options={"block_major": o.block_major})
     optimizer = torch.optim.AdamW(trainable, lr=o.lr, weight_decay=o.weight_decay)
     losses: list[float] = []
     if saved is not None:
@@ -148,7 +150,7 @@ def _set_up(opts: TrainOptions, resume: Optional[Path], saved: Optional[tuple[di
                   lora_dropout=o.lora_dropout, lr=o.lr, weight_decay=o.weight_decay, seq_len=o.seq_len, pack=o.pack,
                   batch_size=o.batch_size, accumulate=o.accumulate, codegen=o.codegen, device=device.type, seed=o.seed,
                   block_size=o.block_size, prefetch=o.prefetch, steps=steps, log_every=o.log_every,
-                  save_every=o.save_every, memory_budget=o.memory_budget)
+                  save_every=o.save_every, memory_budget=o.memory_budget, block_major=o.block_major)
     return _Run(opts=o, model=model, step_model=step_model, named=named, optimizer=optimizer, device=device,
                 dataset=dataset, data_sha256=data_sha256, steps=steps, done=done, losses=losses, record=record)
 
@@ -168,11 +170,13 @@ def _loop(run: _Run, resume: Optional[Path]) -> tuple[float, dict[str, torch.Ten
             for step in range(run.done + 1, run.steps + 1):
                 start = time.perf_counter()
                 total = torch.zeros((), device=dev)
-                for _ in range(o.accumulate):
-                    batch = {k: v.to(dev) for k, v in next(micro).items()}
-                    loss = run.step_model(**batch, use_cache=False).loss / o.accumulate  # mean over the micro-batches
-                    loss.backward()
-                    total += loss.detach()
+                micro_batches = [{k: v.to(dev) for k, v in next(micro).items()} for _ in range(o.accumulate)]
+                # with --accumulate N each block is loaded once for the N micro-batches (runtime/accumulate.py)
+                with block_major(run.model, micro_batches) if o.accumulate > 1 and o.block_major else contextlib.nullcontext():
+                    for batch in micro_batches:
+                        loss = run.step_model(**batch, use_cache=False).loss / o.accumulate  # mean over the micro-batches
+                        loss.backward()
+                        total += loss.detach()
                 with interrupt_after():  # a step is saved whole or not at all
                     run.optimizer.step()
                     run.optimizer.zero_grad(set_to_none=True)
