@@ -33,9 +33,20 @@ def test_check_builtin_and_config_file(tmp_path):
 def test_check_prefetch_auto_fixed_and_refused():
     assert "prefetch auto loads one block ahead" in cli("check", "qwen2.5-7b").stdout  # the default
     out = cli("check", "qwen2.5-7b", "--prefetch", "2").stdout
-    assert "(1 + prefetch 2) x largest block" in out and "prefetch auto" not in out
+    assert "(1 + prefetch 2) x largest load" in out and "prefetch auto" not in out
     res = cli("check", "qwen2.5-7b", "--prefetch", "two", check=False)
     assert res.returncode == 2 and "prefetch must be an integer >= 0" in res.stdout + res.stderr
+
+
+def test_check_estimates_the_step_and_a_budgets_plan():
+    out = cli("check", "qwen2.5-72b", "--memory-budget", "24GB", "--accumulate", "8").stdout
+    assert "the head is loaded in 10 row chunks" in out  # never whole: the window is a layer or a chunk
+    assert "8 micro-batch(es) in flight, block-major" in out and "boundary activations 5.00 GiB" in out
+    assert "layer blocks and the head would stay resident" in out and "once per optimizer step" in out
+    small = cli("check", "qwen2.5-72b", "--memory-budget", "2GB").stdout
+    assert "below the estimated streamed step" in small
+    bad = cli("check", "qwen2.5-7b", "--memory-budget", "lots", check=False)
+    assert bad.returncode == 2 and "memory_budget must be" in bad.stdout + bad.stderr
 
 
 def test_check_unknown_model_and_family(tmp_path):

@@ -164,6 +164,8 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         auto_prefetch=requested == AUTO and opts.stream,
         layer_attr=store.family.layer_attr if store else "layers",
         codegen=opts.codegen or (store.codegen if store else "eager"),
+        store=store,
+        dumper=dumper if dumper.enabled else None,
     )
     if store is not None:
         if opts.memory_budget is not None:  # the option wins over prepare's; a new budget plans anew

@@ -99,6 +99,8 @@ class Schedule:
     graphs: dict[str, Any] = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> final GraphModule
     codegen: str = "eager"  # how the regions of this graph run ("inductor" | "eager")
     regions: dict[str, RegionUse] = dataclasses.field(default_factory=dict)  # region name -> its use here
+    store: Any = dataclasses.field(default=None, repr=False)  # runtime.store.HostStore of the model (its budget plan)
+    dumper: Any = dataclasses.field(default=None, repr=False)  # compiler.dump.Dumper writing this graph's dumps
 
     def load_source(self, load: Any) -> tuple[str, int]:
         """(host-store name, bytes copied) of a ``poros.load`` node; a chunked head's load reads a row
@@ -140,6 +142,13 @@ class Schedule:
             tail += (f"region {r.name} ({r.codegen}): blocks {_span([str(b) for b in sorted(r.blocks)])}, forward "
                      f"{r.forward_nodes} nodes, backward {r.backward_nodes} nodes, {r.saved} saved tensors, traced in "
                      f"{r.trace_seconds:.1f} s, compiled in {r.compile_seconds:.1f} s (once for every graph)\n")
+        if self.store is not None:
+            from ..runtime.budget import describe
+
+            tail += f"memory: {describe(self.store)}\n"
+            tail += (f"accumulation: block-major ({self.store.ledger.block_major_steps} step(s) so far: each block loaded "
+                     "once for all micro-batches of an optimizer step)\n" if self.runtime is not None
+                     and self.runtime.block_major else "accumulation: micro-batch after micro-batch\n")
         return head + "\n".join(lines) + tail
 
 

@@ -111,6 +111,28 @@ def estimate(sizes: list[int], names: list[str], budget: int, streamed_peak: int
     return [names[i] for i in sorted(keep)], kept, _streamed_bytes(sizes) - 2 * kept
 
 
+def describe(store: Any) -> str:
+    """The budget and, after the first step, its plan, in one line (``poros_fx.report``, the dumps)."""
+    if store.memory_budget is None:
+        return "no budget: every block streams every step"
+    p = store.plan
+    if p is None:
+        return f"budget {_size(store.memory_budget)}: planned after the first (fully streamed) step"
+    kept = ", ".join(p.resident_blocks) or "none"
+    return (f"budget {_size(p.budget)}: streamed peak {_size(p.streamed_peak)} (the first step's, measured), resident "
+            f"{kept} ({_size(p.resident_bytes)}), predicted peak {_size(p.predicted_peak)}, base copied per forward + "
+            f"backward {_size(p.streamed_bytes_per_step)} (was {_size(p.streamed_bytes_per_step_before)}; once per "
+            "micro-batch, or once per optimizer step when its micro-batches run block-major)"
+            + "".join(f"; {note}" for note in p.adjustments))
+
+
+def redump(store: Any) -> None:
+    """Rewrite the dumped schedule of every graph of ``store`` that dumps: it shows the plan."""
+    for schedule in list(store.schedules):
+        if getattr(schedule, "dumper", None) is not None:
+            schedule.dumper.schedule(schedule)
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
         if n >= scale:
@@ -157,6 +179,7 @@ def measure_and_plan(store: Any) -> None:
     store.plan = plan(store, store.memory_budget, peak, how, transient=peak - store.budget_start)
     store.kept_hosts = resident_hosts(store, store.plan)
     store.budget_measuring = False
+    redump(store)
 
 
 def fit(store: Any) -> None:
@@ -191,6 +214,7 @@ def fit(store: Any) -> None:
         p.adjustments.append(f"after forward run {store.ledger.forward_runs}: {_size(baseline)} stays allocated between "
                              f"steps (was {_size(store.budget_start)} when the first step started: optimizer state?); "
                              f"gave back {len(given)} kept block(s) ({given[0]}..{given[-1]})")
+        redump(store)
 
 
 def _release_block(store: Any, index: int) -> None:

@@ -135,11 +135,18 @@ def doctor() -> None:
 @app.command()
 def check(model_or_config: str = typer.Argument(..., help="built-in shape, config.json, folder or cached hub id"),
           quantization: str = typer.Option("nf4", help="nf4 or bf16"),
-          block_size: int = typer.Option(1, min=1), prefetch: str = PREFETCH_OPTION) -> None:
-    """Family and its status, base bytes per block, and the predicted resident peak of the base. No weights."""
+          block_size: int = typer.Option(1, min=1), prefetch: str = PREFETCH_OPTION,
+          seq_len: int = typer.Option(512, min=1, help="tokens per row (for the step's estimate)"),
+          batch_size: int = typer.Option(1, min=1, help="rows per micro-batch"),
+          accumulate: int = typer.Option(1, min=1, help="micro-batches per optimizer step (block-major: all in flight)"),
+          lora_r: int = typer.Option(16, min=1, help="LoRA rank on every linear of a decoder layer"),
+          memory_budget: Optional[str] = typer.Option(None, "--memory-budget", callback=_memory_budget,
+                                                      help="show the blocks a budget would keep resident")) -> None:
+    """Family and its status, base bytes per block, the predicted resident peak of the base, an estimate
+    of the step's device memory and, with --memory-budget, the plan it would make. No weights."""
     from ..errors import UnsupportedArchitectureError
     from ..families import resolve
-    from ..prepare import AUTO
+    from ..prepare import AUTO, head_chunk_count
     from ..runtime.depth import LIMIT
     from ..io.sizes import block_bytes
     from .report import format_bytes
@@ -164,10 +171,51 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
                   "gathered from the host store, its table is loaded only where the head shares it); "
                   f"largest block {format_bytes(max(sizes))} ({names[sizes.index(max(sizes))]})")
     ahead = 1 if prefetch == AUTO else prefetch
-    console.print(f"predicted peak of base weights on the device: (1 + prefetch {ahead}) x largest block = "
-                  f"{format_bytes((1 + ahead) * max(sizes))} (adapter, activations and logits come on top)"
+    # an lm_head over 512 MiB is loaded in row chunks of ~256 MiB (prepare.head_chunk_count): never whole
+    chunks = head_chunk_count(sizes[-1], config.vocab_size)
+    window = max([*sizes[:-1], -(-sizes[-1] // chunks)])
+    if chunks > 1:
+        console.print(f"the head is loaded in {chunks} row chunks of {format_bytes(sizes[-1] / chunks)}")
+    console.print(f"predicted peak of base weights on the device: (1 + prefetch {ahead}) x largest load = "
+                  f"{format_bytes((1 + ahead) * window)} (adapter, activations and logits come on top)"
                   + ("; prefetch auto loads one block ahead in the forward and deepens the backward only as far as "
                      f"half the free device memory allows (at most {LIMIT} blocks)" if prefetch == AUTO else ""))
+    _check_step(config, family, names, sizes, (1 + ahead) * window, seq_len, batch_size, accumulate, lora_r,
+                memory_budget)
+
+
+def _check_step(config, family, names: list[str], sizes: list[int], window: int, seq_len: int, batch_size: int,
+                accumulate: int, lora_r: int, memory_budget: Optional[str]) -> None:
+    """``check``'s estimate of the step (tools/estimate.py) and, with a budget, the plan it would make."""
+    from ..runtime.budget import estimate, parse_size
+    from .estimate import lora_bytes, step_memory
+    from .report import format_bytes
+    from .tiny import lora_targets
+
+    adapter = lora_bytes(config, family, lora_targets(config.model_type), lora_r)
+    est = step_memory(config, window, seq=seq_len, batch=batch_size, in_flight=accumulate, adapter_bytes=adapter)
+    console.print(f"estimated device memory of a streamed step (seq {seq_len}, batch {batch_size}, "
+                  f"{accumulate} micro-batch(es) in flight{', block-major' if accumulate > 1 else ''}, LoRA r{lora_r} on "
+                  f"every linear): {format_bytes(est.total)} = base window {format_bytes(est.base_window)} + adapter, "
+                  f"gradients and AdamW {format_bytes(est.adapter)} + boundary activations {format_bytes(est.boundaries)} "
+                  f"+ logits {format_bytes(est.logits)} + one layer's recompute {format_bytes(est.layer)} (an estimate: "
+                  "a memory budget plans from the first step's measured peak)", soft_wrap=True, highlight=False)
+    if memory_budget is None:
+        return
+    budget = parse_size(memory_budget)
+    kept, kept_bytes, copied = estimate(sizes, names, budget, est.total)
+    before = 2 * sum(sizes)
+    if budget < est.total:
+        console.print(f"memory budget {format_bytes(budget)}: below the estimated streamed step "
+                      f"({format_bytes(est.total)}); the first step would raise PorosOOMError naming the smallest budget "
+                      "that works if its measured peak is above the budget too", soft_wrap=True, highlight=False)
+        return
+    layer_blocks = [n for n in kept if n.startswith("layers")]
+    console.print(f"memory budget {format_bytes(budget)}: about {len(layer_blocks)} of {len(names) - 2} layer blocks"
+                  f"{' and the head' if 'head' in kept else ''} would stay resident ({format_bytes(kept_bytes)}), "
+                  f"base copied per forward + backward {format_bytes(copied)} instead of {format_bytes(before)}"
+                  + (f" (once per optimizer step: its {accumulate} micro-batches run block-major)" if accumulate > 1
+                     else ""), soft_wrap=True, highlight=False)
 
 
 @app.command()

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import PorosConfigError
 from ..prepare import causal_lm, get_store, unwrap
+from ..runtime.budget import describe as describe_budget
 
 
 def format_bytes(n: int | float) -> str:
@@ -80,21 +81,6 @@ def _layers(store) -> str:
             f"{len(store.regions.regions)} traced so far)")
 
 
-def _memory(store) -> str:
-    """The memory budget and, after the first step, its plan (runtime/budget.py)."""
-    if store.memory_budget is None:
-        return "no budget: every block streams every step"
-    plan = store.plan
-    if plan is None:
-        return f"budget {format_bytes(store.memory_budget)}: planned after the first (fully streamed) step"
-    kept = ", ".join(plan.resident_blocks) or "none"
-    return (f"budget {format_bytes(plan.budget)}: streamed peak {format_bytes(plan.streamed_peak)}, resident {kept} "
-            f"({format_bytes(plan.resident_bytes)}), predicted peak {format_bytes(plan.predicted_peak)}, base copied "
-            f"per forward + backward {format_bytes(plan.streamed_bytes_per_step)} (was "
-            f"{format_bytes(plan.streamed_bytes_per_step_before)}; once per micro-batch, or once per optimizer step when "
-            "its micro-batches run block-major)" + "".join(f"; {note}" for note in plan.adjustments))
-
-
 def report(model: nn.Module) -> str:
     """A short plain-text report of a prepared model: type, family status, adapter, precision, blocks,
     host bytes and the guarantee that applies."""
@@ -118,7 +104,7 @@ def report(model: nn.Module) -> str:
          + f", compute device {store.device}"),
         ("ends", _ends(store)),
         ("layers", _layers(store)),
-        ("memory", _memory(store)),
+        ("memory", describe_budget(store)),
         ("guarantee", guarantee),
     ]
     width = max(len(k) for k, _ in rows)

@@ -1,0 +1,67 @@
+"""What a streamed training step holds on the device, estimated from a config alone (``poros-fx check``).
+
+The memory budget (``runtime/budget.py``) plans from the *measured* peak of the first step; this is
+the number ``check`` can give before any weight is read, so a user can pick a budget. Each part is a
+plain product of sizes:
+
+* base window: ``(1 + prefetch)`` x the largest load (a block, ``io/sizes.py``, or a row chunk of the
+  lm_head);
+* adapter: ``r x (in + out)`` fp32 values per LoRA target in every decoder layer, times four (the
+  weights, their gradients, AdamW's two moments);
+* boundaries: one hidden state per decoder layer per micro-batch in flight (``batch x seq x hidden``
+  at 2 bytes; every micro-batch of the step when they run block-major);
+* logits: ``batch x seq x vocab`` per micro-batch in flight at 2 bytes (bf16) and 4 (the fp32 values
+  the loss keeps), plus one micro-batch's fp32 gradient;
+* one layer's recomputed activations: ``batch x seq x (8 x hidden + 4 x intermediate)`` at 2 bytes
+  (attention in/out and the MLP's three wide tensors, dropout masks, LoRA inputs).
+
+Measured against it (H200, Qwen2.5-72B NF4, seq 512, r16, one micro-batch): see docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    base_window: int
+    adapter: int  # weights + gradients + AdamW state
+    boundaries: int
+    logits: int
+    layer: int  # one layer's recomputed activations
+
+    @property
+    def total(self) -> int:
+        return self.base_window + self.adapter + self.boundaries + self.logits + self.layer
+
+
+def lora_bytes(config: Any, family: Any, targets: list[str], r: int) -> int:
+    """fp32 bytes of a LoRA adapter of rank ``r`` on ``targets`` in every decoder layer."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    total = 0
+    for name, module in model.get_submodule(family.layers).named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            total += r * (module.in_features + module.out_features) * 4
+    return total
+
+
+def step_memory(config: Any, window: int, *, seq: int, batch: int, in_flight: int, adapter_bytes: int) -> StepMemory:
+    """The estimate for ``in_flight`` micro-batches held at once (block-major: the accumulation)."""
+    hidden, vocab = config.hidden_size, config.vocab_size
+    intermediate = getattr(config, "intermediate_size", 4 * hidden)
+    tokens = batch * seq
+    return StepMemory(
+        base_window=window,
+        adapter=4 * adapter_bytes,
+        boundaries=in_flight * config.num_hidden_layers * tokens * hidden * 2,
+        logits=in_flight * tokens * vocab * (2 + 4) + tokens * vocab * 4,
+        layer=tokens * (8 * hidden + 4 * intermediate) * 2,
+    )
