@@ -562,6 +562,7 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
                 row["streamed_peak_gb"] = round(plan["streamed_peak"] / 1e9, 3)
                 row["predicted_peak_gb"] = round(plan["predicted_peak"] / 1e9, 3)
                 row["copied_gb_per_microbatch"] = round(plan["streamed_bytes_per_step"] / 1e9, 3)
+                row["plan_adjustments"] = plan["adjustments"]  # kept blocks given back after the first step
             schedules = getattr(get_store(model), "schedules", [])
             row["prefetch"] = schedules[-1].prefetch if schedules else None
             if schedules and schedules[-1].prefetch_note:
