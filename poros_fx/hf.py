@@ -43,7 +43,11 @@ class PorosTrainer(transformers.Trainer):
     ``codegen``, ``memory_budget``) plus ``device``, the compute device for ``poros_fx.prepare`` (default: ``args.device``). A model
     that is not prepared yet is prepared with ``device``, ``block_size`` and ``prefetch`` (default 1
     and ``"auto"``); a prepared one keeps its store, and ``block_size`` / ``prefetch`` here regroup the
-    compiled graph only. Single process, single device.
+    compiled graph only. Under ``torchrun`` / ``accelerate launch`` (``args.world_size > 1``) the host store
+    goes on DDP's ignore list before the Trainer wraps the model, the compiled wrapper is the Trainer's
+    ``DistributedDataParallel`` module, and its forward runs with Dynamo's DDPOptimizer off
+    (docs/distributed.md); load the model after ``TrainingArguments`` (which starts torch.distributed) for
+    one shared host copy of the base per host. One device per process.
     """
 
     def __init__(self, *args: Any, poros_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
@@ -69,15 +73,22 @@ class PorosTrainer(transformers.Trainer):
             device = self.poros_device if self.poros_device is not None else self.args.device
             prepare(model, device=device, block_size=self.poros_options.get("block_size", 1),
                     prefetch=self.poros_options.get("prefetch", AUTO))
+        if self.args.world_size > 1:
+            from .distributed import ignore_host_store
+
+            ignore_host_store(model)  # before accelerate wraps it in DistributedDataParallel
         return model
 
     def poros_model(self, model: nn.Module) -> nn.Module:
         """The compiled poros wrapper of ``model``; one per model and host store (a re-prepared or a
         new model, e.g. from ``model_init``, gets a new one)."""
+        from torch.nn.parallel import DistributedDataParallel
+
         if hasattr(model, "_orig_mod"):
             raise PorosConfigError("PorosTrainer got a torch.compile'd model; pass the plain (PEFT) model")
-        self.poros_prepare(model)
-        store = get_store(model)
+        inner = model.module if isinstance(model, DistributedDataParallel) else model  # the Trainer's DDP wrapper
+        self.poros_prepare(inner)
+        store = get_store(inner)
         cached = self._poros_compiled
         if cached is not None and cached[0] is model and cached[1] is store:
             return cached[2]
@@ -90,8 +101,11 @@ class PorosTrainer(transformers.Trainer):
     def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         # the Trainer's own loss code, with the forward it calls compiled by poros
-        return super().compute_loss(self.poros_model(model), inputs, return_outputs=return_outputs,
-                                    num_items_in_batch=num_items_in_batch)
+        from .distributed import no_ddp_optimizer
+
+        with no_ddp_optimizer():
+            return super().compute_loss(self.poros_model(model), inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
         # the Trainer fetches an optimizer step's micro-batches before the first forward: on the device now
@@ -147,8 +161,9 @@ def _check_args(args: transformers.TrainingArguments | None) -> None:
     if args.torch_compile:
         raise PorosConfigError("PorosTrainer compiles the model with backend='poros' itself; leave "
                                "TrainingArguments.torch_compile / torch_compile_backend unset")
-    if args.n_gpu > 1 or args.world_size > 1:
-        raise PorosConfigError("PorosTrainer streams the base to one device from one process; "
-                               f"got n_gpu={args.n_gpu}, world_size={args.world_size}")
+    if args.n_gpu > 1:
+        raise PorosConfigError(f"PorosTrainer streams the base to one device per process; got n_gpu={args.n_gpu} "
+                               "(torch.nn.DataParallel over several GPUs in one process): start one process per GPU "
+                               "with torchrun --nproc-per-node N or accelerate launch (docs/distributed.md)")
     if args.gradient_checkpointing:  # the same refusal as prepare's and the backend's
         raise PorosConfigError(CHECKPOINTING_MESSAGE.format(where=" (TrainingArguments.gradient_checkpointing=True)"))

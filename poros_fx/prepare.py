@@ -61,6 +61,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")  # one CPU device: "cpu:0" (accelerate's device under torch.distributed) is "cpu"
     if device.type not in ("cpu", "cuda"):
         raise PorosConfigError(f"device must be 'cpu' or 'cuda', got {device}")
     if device.type == "cuda" and not torch.cuda.is_available():

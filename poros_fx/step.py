@@ -94,31 +94,40 @@ class PorosStep(Generic[P, R]):
         self._compiled: dict[int, tuple[weakref.ref[nn.Module], weakref.ref[Any], weakref.ref[nn.Module]]] = {}
 
     def compiled(self, module: nn.Module) -> nn.Module:
-        """``module`` prepared (if it was not) and compiled with this step's options; one wrapper per module."""
+        """``module`` prepared (if it was not) and compiled with this step's options; one wrapper per module.
+        A ``DistributedDataParallel`` module is compiled as a whole; the model inside must be prepared."""
+        from torch.nn.parallel import DistributedDataParallel
+
         if hasattr(module, "_orig_mod"):
             raise PorosConfigError("pass the model itself to a @poros_fx.step function, not torch.compile(model): "
                                    "the decorator compiles it with the poros backend")
+        inner = module.module if isinstance(module, DistributedDataParallel) else module
         entry = self._compiled.get(id(module))
         if entry is not None:
             mod_ref, store_ref, wrapper_ref = entry
             wrapper = wrapper_ref()
             store = store_ref()
             # a dead module's id can be reused; an unprepared / re-prepared model needs a new wrapper
-            if mod_ref() is module and store is not None and get_store(module) is store and wrapper is not None:
+            if mod_ref() is module and store is not None and get_store(inner) is store and wrapper is not None:
                 return wrapper
         # drop entries of models that are gone (their wrappers went with them)
         for key in [k for k, (mod_ref, _, _) in self._compiled.items() if mod_ref() is None or k == id(module)]:
             del self._compiled[key]
-        if get_store(module) is None:  # prepare's defaults, as every other surface has them
+        if get_store(inner) is None:  # prepare's defaults, as every other surface has them
+            if inner is not module:
+                raise PorosConfigError("a DistributedDataParallel module over an unprepared model: prepare the model "
+                                       "before wrapping it (poros_fx.prepare(model), or load_pretrained / from_config, "
+                                       "then poros_fx.distributed.data_parallel(model)); DDP made over the unprepared "
+                                       "model holds the whole frozen base as its parameters")
             prepare(module, device=self.device, block_size=self.options.get("block_size", 1),
                     prefetch=self.options.get("prefetch", AUTO))
         else:  # prepare checked an unprepared model; this one may have had checkpointing switched on since
-            check_no_checkpointing(module)
-        store = get_store(module)
+            check_no_checkpointing(inner)
+        store = get_store(inner)
         wrapper = torch.compile(module, backend="poros", options=dict(self.options))
         # written to __dict__ directly: nn.Module.__setattr__ would register the wrapper as a submodule.
         # Keyed by this decorator so re-compiling (after a re-prepare) replaces the stale wrapper.
-        module.__dict__.setdefault(KEEP_ALIVE_ATTR, {})[id(self)] = wrapper
+        inner.__dict__.setdefault(KEEP_ALIVE_ATTR, {})[id(self)] = wrapper
         self._compiled[id(module)] = (weakref.ref(module), weakref.ref(store), weakref.ref(wrapper))
         return wrapper
 
@@ -151,10 +160,23 @@ class PorosStep(Generic[P, R]):
             if next(module.parameters(), None) is not None:  # a parameterless loss module has nothing to stream
                 slots.set(slot, self.compiled(module))
                 streamed.append(module)
+        from torch.nn.parallel import DistributedDataParallel
+
+        from .distributed import no_ddp_optimizer
+
+        ddp = any(isinstance(m, DistributedDataParallel) for m in streamed)
+        with no_ddp_optimizer() if ddp else contextlib.nullcontext():  # docs/distributed.md
+            return self._run(bound, slots, micro, streamed, ddp)
+
+    def _run(self, bound: inspect.BoundArguments, slots: "_Slots", micro: Any, streamed: list[nn.Module],
+             ddp: bool) -> Any:
         if self.accumulate is None:
             return self.fn(*bound.args, **bound.kwargs)
+        micro_batches = slots.get(micro)
         with contextlib.ExitStack() as block_major_steps:
-            if self.accumulate > 1 and self.options["stream"] and self.options.get("block_major") is not False:
+            # block-major under DDP is not validated yet (its first backwards return no gradients)
+            if self.accumulate > 1 and self.options["stream"] and self.options.get("block_major") is not False \
+                    and not ddp:
                 for module in streamed:  # each block loaded once for all micro-batches (runtime/accumulate.py)
                     block_major_steps.enter_context(accumulation.block_major(module, list(micro_batches)))
             results = []

@@ -148,6 +148,9 @@ def _check_no_checkpointing(gm: fx.GraphModule) -> None:
 def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """The backend. ``options``: ``block_size``, ``prefetch``, ``stream``, ``dump`` (see ``PorosOptions``)."""
     opts = PorosOptions.from_dict(options)
+    from ..distributed import check_ddp_optimizer
+
+    check_ddp_optimizer()  # Dynamo's DDPOptimizer would split the step between a block's load and its use
     _check_no_checkpointing(gm)
     store = _find_store(example_inputs)
     if store is None:

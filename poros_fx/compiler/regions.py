@@ -386,6 +386,9 @@ class RegionTable:
         key = (before, call, grads, metas)
         region = self.by_key.get(key)
         if region is None:
+            from ..distributed import check_ddp_optimizer
+
+            check_ddp_optimizer()  # under it, the trace's own frames (poros_sdpa's torch.cond) fail to compile
             region = trace_region(module, call, grads, list(metas), index=len(self.regions))
             self.regions.append(region)
             self.by_key[key] = region

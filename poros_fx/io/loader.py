@@ -83,6 +83,8 @@ class LoadReport:
     host_bytes: int  # bytes of the base in the host store
     peak_inflight_bytes: int  # most bytes of not-yet-stored tensors alive at once while loading
     seconds: float
+    shared_ranks: int = 1  # processes of this host whose host store is this one arena (1: not shared)
+    attached: bool = False  # this process mapped the arena another rank filled (it read nothing itself)
 
 
 # -- public API -------------------------------------------------------------------------------------
@@ -94,7 +96,7 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
                     revision: str | None = None, cache_dir: str | os.PathLike | None = None, progress: bool = True,
                     available_ram: int | Callable[[], int | None] | None = None,
                     head_chunks: int | None = None, codegen: str | None = None,
-                    memory_budget: int | str | None = None) -> nn.Module:
+                    memory_budget: int | str | None = None, share: bool | None = None) -> nn.Module:
     """Load a causal LM checkpoint tensor by tensor into a prepared poros-fx model, with an adapter or without.
 
     ``name_or_path``: a folder written by ``save_pretrained`` (``model.safetensors`` or sharded with
@@ -108,10 +110,14 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
     (``trainable``); they are mutually exclusive. With neither, the prepared base itself is returned (for
     evaluation or inference, or to attach an adapter later with ``peft.PeftModel.from_pretrained``).
     ``available_ram`` overrides the reading of available host RAM (bytes, or a callable returning them).
+    ``share``: under ``torchrun`` (torch.distributed initialized, several ranks on a host) the ranks of a
+    host keep one copy of the base: the host's first rank reads the checkpoint into a shared-memory arena
+    and the others map it (``poros_fx.distributed.HostShare``; call this on every rank). ``None``: share
+    when torch.distributed is initialized with more than one rank; ``False``: each process its own copy.
     The model is returned in eval mode, as ``from_pretrained`` returns it; call ``model.train()`` to train.
     """
     started = time.perf_counter()
-    adapter_dir = _check_args(quantization, lora, block_size, prefetch, codegen, adapter, trainable)
+    adapter_dir = _check_args(quantization, lora, block_size, prefetch, codegen, adapter, trainable, share)
     parse_size(memory_budget)  # before a byte is read
     compute = resolve_device(device)
     folder = resolve_folder(name_or_path, revision=revision, cache_dir=cache_dir)
@@ -122,20 +128,23 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
     plan = _plan(model, specs, folder)
     in_flight = max((s.nbytes + s.numel * _itemsize(COMPUTE_DTYPE) for _, s in plan), default=0)
     host_bytes = _store_bytes(model)
-    _check_ram(str(folder), host_bytes, in_flight, available_ram, quantization)
 
     with contextlib.ExitStack() as files:
         reader = _Reader(files)
         total = sum(s.nbytes for _, s in plan)
-        with _progress(f"loading {Path(folder).name}", total, len(plan), progress) as advance:
-            arena = HostArena(_arena_capacity(model))
-            peak = _materialize(model, [(names, reader.fetcher(spec)) for names, spec in plan], compute, advance,
-                                arena)
+
+        def fill(arena: HostArena) -> int:
+            with _progress(f"loading {Path(folder).name}", total, len(plan), progress) as advance:
+                return _materialize(model, [(names, reader.fetcher(spec)) for names, spec in plan], compute,
+                                    advance, arena)
+
+        arena, peak, shared = _fill(model, fill, share,
+                                    lambda: _check_ram(str(folder), host_bytes, in_flight, available_ram, quantization))
     _rebuild_buffers(model, config)
     _load_generation_config(model, folder)
     report = LoadReport(source=str(folder), quantization=quantization, device=str(compute), tensors=len(plan),
                         bytes_read=reader.bytes_read, host_bytes=host_bytes, peak_inflight_bytes=peak,
-                        seconds=0.0)
+                        seconds=0.0, shared_ranks=shared[0], attached=shared[1])
     return _finish(model, lora, adapter_dir, trainable, compute, block_size, prefetch, family, report, started, arena,
                    head_chunks, codegen, memory_budget)
 
@@ -146,18 +155,19 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
                 adapter: str | os.PathLike | None = None, trainable: bool = True, progress: bool = True,
                 available_ram: int | Callable[[], int | None] | None = None,
                 head_chunks: int | None = None, codegen: str | None = None,
-                    memory_budget: int | str | None = None) -> nn.Module:
+                memory_budget: int | str | None = None, share: bool | None = None) -> nn.Module:
     """Like ``load_pretrained`` with random-init weights instead of a checkpoint (benchmarks, no hub).
 
     Each tensor is generated on its own from ``seed`` and its name (normal(0, ``initializer_range``) for
     linear and embedding weights, ones for norm weights, zeros for biases), on the compute device, then
     quantized and stored like a loaded one. The same seed on the same device type gives the same weights,
     whatever the number of layers. ``config`` may also be a folder or cached hub id holding a config.json.
-    ``lora`` / ``adapter`` / ``trainable`` as in ``load_pretrained`` (an adapter trained on these random
-    weights fits them only: load it back with the same config and seed).
+    ``lora`` / ``adapter`` / ``trainable`` / ``share`` as in ``load_pretrained`` (an adapter trained on these
+    random weights fits them only: load it back with the same config and seed). Shared, only the first rank
+    of each host generates the weights.
     """
     started = time.perf_counter()
-    adapter_dir = _check_args(quantization, lora, block_size, prefetch, codegen, adapter, trainable)
+    adapter_dir = _check_args(quantization, lora, block_size, prefetch, codegen, adapter, trainable, share)
     parse_size(memory_budget)  # before a byte is read
     compute = resolve_device(device)
     if not _is_config(config):
@@ -168,18 +178,22 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
     in_flight = max((_numel(meta) * (4 + _itemsize(COMPUTE_DTYPE)) for _, meta in groups), default=0)
     host_bytes = _store_bytes(model)
     source = f"random-init (seed={seed})"
-    _check_ram(source, host_bytes, in_flight, available_ram, quantization)
 
     std = _init_std(config)
     jobs = [(names, _random_fetcher(model, names[0], meta, seed, std, compute)) for names, meta in groups]
     total = sum(_numel(meta) * _itemsize(COMPUTE_DTYPE) for _, meta in groups)
-    with _progress(f"initializing {getattr(config, 'model_type', 'model')} (seed {seed})", total, len(jobs),
-                   progress) as advance:
-        arena = HostArena(_arena_capacity(model))
-        peak = _materialize(model, jobs, compute, advance, arena)
+
+    def fill(arena: HostArena) -> int:
+        with _progress(f"initializing {getattr(config, 'model_type', 'model')} (seed {seed})", total, len(jobs),
+                       progress) as advance:
+            return _materialize(model, jobs, compute, advance, arena)
+
+    arena, peak, shared = _fill(model, fill, share,
+                                lambda: _check_ram(source, host_bytes, in_flight, available_ram, quantization))
     _rebuild_buffers(model, config)
     report = LoadReport(source=source, quantization=quantization, device=str(compute), tensors=len(jobs),
-                        bytes_read=0, host_bytes=host_bytes, peak_inflight_bytes=peak, seconds=0.0)
+                        bytes_read=0, host_bytes=host_bytes, peak_inflight_bytes=peak, seconds=0.0,
+                        shared_ranks=shared[0], attached=shared[1])
     return _finish(model, lora, adapter_dir, trainable, compute, block_size, prefetch, family, report, started, arena,
                    head_chunks, codegen, memory_budget)
 
@@ -412,7 +426,7 @@ def _check_quantization(quantization: Any) -> None:
 
 
 def _check_args(quantization: Any, lora: Any, block_size: Any, prefetch: Any, codegen: Any = None,
-                adapter: Any = None, trainable: Any = True) -> Path | None:
+                adapter: Any = None, trainable: Any = True, share: Any = None) -> Path | None:
     """Everything that can be wrong with the arguments, raised before a byte is read; returns the adapter
     folder (checked) when ``adapter`` is given."""
     _check_quantization(quantization)
@@ -422,6 +436,9 @@ def _check_args(quantization: Any, lora: Any, block_size: Any, prefetch: Any, co
         raise PorosConfigError("pass lora= (a new adapter to train) or adapter= (a saved one to load), not both")
     if not isinstance(trainable, bool):
         raise PorosConfigError(f"trainable must be True or False, got {trainable!r}")
+    if share is not None and not isinstance(share, bool):
+        raise PorosConfigError(f"share must be True, False or None (share when torch.distributed is initialized), "
+                               f"got {share!r}")
     if lora is not None:
         import peft
 
@@ -640,6 +657,41 @@ def _materialize(model: nn.Module, jobs: list[tuple[list[str], Fetch]], compute:
         advance(nbytes(raw))
         del raw, value, stored  # nothing of this tensor but the stored copy outlives the iteration
     return peak
+
+
+def _fill(model: nn.Module, fill: Callable[[HostArena], int], share: bool | None,
+          check_ram: Callable[[], None]) -> tuple[HostArena, int, tuple[int, bool]]:
+    """``model``'s host arena, filled by ``fill`` (returns the peak bytes in flight): a private arena, or
+    under torch.distributed this host's shared one (``poros_fx.distributed.HostShare``), which the host's
+    first rank fills and describes (``io/manifest.py``) and the others attach their ``meta`` model to.
+    ``check_ram`` runs where host memory is taken (a private arena, a host's first rank). Returns the
+    arena, the peak, and (ranks of this host sharing it, whether this rank attached)."""
+    from .. import distributed
+    from . import manifest
+
+    capacity = _arena_capacity(model)
+    host = distributed.HostShare.open(capacity, before_create=check_ram) if distributed.wants_share(share) else None
+    if host is None:
+        check_ram()
+        arena = HostArena(capacity)
+        return arena, fill(arena), (1, False)
+    try:
+        def lead() -> tuple[int, list[dict[str, Any]]]:
+            peak = fill(host.arena)
+            return peak, manifest.describe(model, host.arena)
+
+        peak, described = host.from_leader(lead, "filling the shared host store")
+        status: dict[str, Any] = {}
+        if not host.leader:
+            peak = 0  # this rank read and converted nothing
+            try:
+                manifest.attach(model, host.arena, described)
+            except Exception as e:  # every rank hears of it just below
+                status = {"error": f"{type(e).__name__}: {e}"}
+        host.agree(status, "attaching the model to the shared host store")
+    finally:
+        host.close()
+    return host.arena, peak, (host.local_world_size, not host.leader)
 
 
 def _place_nf4(q: torch.Tensor, arena: HostArena) -> None:

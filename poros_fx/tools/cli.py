@@ -20,7 +20,6 @@ state, ``evaluation``: streamed evaluation, ``terminal``: console, errors, progr
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 from typing import Optional
@@ -87,28 +86,47 @@ def _device(value: Optional[str]) -> Optional[str]:
 DEVICE_OPTION = typer.Option(None, callback=_device, help="cpu or cuda (default: cuda when present)")
 
 
-def _h2d_bandwidth(device: str = "cuda", mib: int = 256, reps: int = 5) -> float:
-    import torch
-
-    host = torch.empty(mib * 2**20, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty_like(host, device=device)
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return host.numel() / statistics.median(times) / 1e9
-
-
 @app.command()
 def doctor() -> None:
-    """Versions, CUDA, measured pinned host-to-device bandwidth, and whether backend="poros" resolves."""
+    """Versions, CUDA, ranks, measured pinned host-to-device bandwidth per GPU (alone and all at once),
+    shared memory for the multi-GPU host store, and whether backend="poros" resolves. Under torchrun
+    (``torchrun --nproc-per-node N -m poros_fx.tools.cli doctor``) each rank measures its own GPU and rank
+    0 prints the table."""
     import importlib.metadata as md
 
     import torch
+
+    from .. import distributed
+    from ..runtime.arena import shm_dir, shm_free_bytes
+    from .report import format_bytes
+
+    ranks = distributed.launched_ranks()
+    h2d: list = []
+    h2d_error = None
+    cuda = torch.cuda.is_available()
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        try:
+            distributed.init_process_group()
+            if cuda:
+                from .h2d import measure_ranks
+
+                h2d = measure_ranks()
+        except Exception as err:  # report, do not crash: this is the diagnosis command
+            h2d_error = f"{type(err).__name__}: {err}"
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        if ranks.rank != 0:
+            return
+    elif cuda:
+        from .h2d import measure_gpus
+
+        try:
+            h2d = [vars(m) for m in measure_gpus()]
+        except Exception as err:
+            h2d_error = f"{type(err).__name__}: {err}"
 
     table = Table(title="poros-fx doctor", show_header=False)
     for name in ("poros-fx", "torch", "transformers", "peft", "bitsandbytes", "safetensors"):
@@ -116,9 +134,26 @@ def doctor() -> None:
             table.add_row(name, md.version(name))
         except md.PackageNotFoundError:
             table.add_row(name, "[red]not installed[/red]")
-    cuda = torch.cuda.is_available()
-    table.add_row("cuda", f"{torch.cuda.get_device_name()} (torch CUDA {torch.version.cuda})" if cuda else "no CUDA device")
-    table.add_row("pinned H2D", f"{_h2d_bandwidth():.1f} GB/s (256 MiB, median of 5)" if cuda else "- (needs CUDA)")
+    if cuda:
+        names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+        table.add_row("cuda", f"{torch.cuda.device_count()} GPU(s): {', '.join(names)} (torch CUDA {torch.version.cuda})")
+    else:
+        table.add_row("cuda", "no CUDA device")
+    table.add_row("ranks", f"{ranks.world_size} (torchrun: {ranks.local_world_size} on this host)" if ranks.distributed
+                  else "one process (several GPUs: torchrun --nproc-per-node N ...)")
+    backends = [b for b in ("nccl", "gloo") if getattr(torch.distributed, f"is_{b}_available", lambda: False)()]
+    table.add_row("torch.distributed", ", ".join(backends) if backends else "[red]not available[/red]")
+    free = shm_free_bytes()
+    table.add_row("shared memory", f"{shm_dir()}: {format_bytes(free)} free (the ranks of a host keep one copy of the "
+                  "base here)" if free is not None else f"[red]{shm_dir()} does not exist[/red] (POROS_FX_SHM_DIR)")
+    if h2d_error is not None:
+        table.add_row("pinned H2D", f"[red]could not measure: {h2d_error}[/red]")
+    elif not h2d:
+        table.add_row("pinned H2D", "- (needs CUDA)")
+    for m in h2d:
+        together = "" if m["together"] is None else f", {m['together']:.1f} GB/s with every GPU copying"
+        table.add_row(f"pinned H2D {m['device']}", f"{m['alone']:.1f} GB/s alone{together} (256 MiB from a "
+                      f"{m['source']} arena, median of 5)")
     try:
         from torch._dynamo.backends.registry import lookup_backend
 
@@ -469,13 +504,24 @@ def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: t
                                                  help="add compiled_resident (plain torch.compile; 0.5B/7B only)"),
           profile: Optional[Path] = typer.Option(None, metavar="DIR",
                                                  help="profile one extra step per row: Chrome trace into DIR, "
-                                                 "summary into the row's 'profile'")) -> None:
+                                                 "summary into the row's 'profile'"),
+          nproc: Optional[int] = typer.Option(None, min=1, help="several GPUs: instead, poros on 1 and on NPROC GPUs "
+                                              "and FSDP2 with CPU offload, each a torchrun job (tools/multi_bench.py; "
+                                              "the first of --models and --seqs; results in the --json path without "
+                                              "its suffix)")) -> None:
     """Side-by-side benchmark: PEFT resident / checkpointing / compiled vs poros streamed and resident (JSON, md, PNG)."""
     import shlex
     import sys
 
     import torch
 
+    if nproc is not None:
+        from . import multi_bench
+
+        multi_bench.main(["--nproc", str(nproc), "--model", models.split(",")[0], "--seq", seqs.split(",")[0],
+                          "--steps", str(steps), "--warmup", str(warmup), "--device", device,
+                          "--out", str(json_path.with_suffix(""))])
+        return
     from . import bench as harness
 
     if device.startswith("cuda") and not torch.cuda.is_available():

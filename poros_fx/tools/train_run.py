@@ -5,12 +5,18 @@ resumes; this is the rest. The loop is written so that a stopped run can continu
 data order depends on the seed alone (not on the step count), the RNG states are taken after each
 finished step, and Ctrl-C is held while an optimizer step and its bookkeeping run, so that what is
 saved (``run_state``) is always one whole step.
+
+Under ``torchrun --nproc-per-node N -m poros_fx.tools.cli train ...`` every rank loads the base (one
+shared host copy per host, ``poros_fx.distributed``), trains through ``DistributedDataParallel`` on
+every N-th micro-batch of the one data order (the global batch is N x ``--batch-size`` rows), logs the
+ranks' mean loss, and rank 0 alone prints and saves; the adapter is the same on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import signal
 import time
@@ -21,7 +27,7 @@ import peft
 import torch
 from torch import nn
 
-from .. import stats
+from .. import distributed, stats
 from ..errors import PorosError
 from ..io.data import TokenDataset, batches
 from ..io.loader import from_config as random_model
@@ -75,6 +81,7 @@ class _Run:
     named: Named
     optimizer: torch.optim.Optimizer
     device: torch.device
+    ranks: distributed.Ranks  # torchrun's; one process is rank 0 of 1
     dataset: TokenDataset
     data_sha256: str
     steps: int  # the step the run ends after
@@ -92,14 +99,25 @@ class _Run:
 def train(opts: TrainOptions, resume: Optional[Path] = None, saved: Optional[tuple[dict, dict]] = None) -> None:
     """Train a LoRA adapter as ``opts`` say and write it (with its resume state) into ``opts.out``;
     ``resume``/``saved``: the folder and the ``(meta, tensors)`` of the run this one continues."""
-    run = _set_up(opts, resume, saved)
-    loss, rng = _loop(run, resume)
-    with interrupt_after():
-        run.save(run.steps, rng)
-    _summary(run, loss)
+    ranks = distributed.launched_ranks()
+    if ranks.distributed:
+        distributed.init_process_group()
+        if ranks.rank != 0:
+            console.quiet = True  # rank 0 speaks for the job
+    try:
+        run = _set_up(opts, resume, saved, ranks)
+        loss, rng = _loop(run, resume)
+        with interrupt_after():
+            if ranks.rank == 0:
+                run.save(run.steps, rng)
+        _summary(run, loss)
+    finally:
+        if ranks.distributed and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
-def _set_up(opts: TrainOptions, resume: Optional[Path], saved: Optional[tuple[dict, dict]]) -> _Run:
+def _set_up(opts: TrainOptions, resume: Optional[Path], saved: Optional[tuple[dict, dict]],
+            ranks: distributed.Ranks = distributed.Ranks()) -> _Run:
     """Config, data and model (in that order: a bad data file fails in seconds, before any weight is read),
     then the optimizer, and the saved step restored into both when resuming."""
     o = opts
@@ -109,9 +127,14 @@ def _set_up(opts: TrainOptions, resume: Optional[Path], saved: Optional[tuple[di
         steps = o.steps
         if steps is None:
             steps = max(1, math.ceil((1.0 if o.epochs is None else o.epochs) * dataset.rows
-                                     / (o.batch_size * o.accumulate)))
+                                     / (o.batch_size * o.accumulate * ranks.world_size)))
         data_sha256 = fingerprint(dataset)
         done = 0 if saved is None else check_resumable(saved[0], data_sha256, steps, resume, dataset.source)
+        saved_world = ranks.world_size if saved is None else saved[0]["run"].get("world_size", 1)
+        if saved_world != ranks.world_size:  # each rank's data position depends on the number of ranks
+            raise fail(f"--resume {resume} continues a run of {saved_world} rank(s); this job has {ranks.world_size}. "
+                       f"Resume it with torchrun --nproc-per-node {saved_world}" if saved_world > 1 else
+                       f"--resume {resume} continues a single-process run; resume it without torchrun")
         console.print(f"data: {dataset.source}: {dataset.examples} examples ({', '.join(dataset.kinds)}) -> "
                       f"{dataset.rows} rows of {o.seq_len} tokens, {dataset.supervised_tokens} trained tokens; "
                       f"{steps} step(s) of {o.accumulate} x {o.batch_size} rows"
@@ -120,7 +143,10 @@ def _set_up(opts: TrainOptions, resume: Optional[Path], saved: Optional[tuple[di
         torch.manual_seed(o.seed)  # the LoRA A init and, in the loop, the dropout masks
         targets = target_modules(o.target_modules, config.model_type)
         lora = peft.LoraConfig(r=o.lora_r, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout, target_modules=targets)
-        common = {"quantization": o.quantization, "device": o.device, "block_size": o.block_size,
+        device = o.device
+        if ranks.distributed and (device is None or device == "cuda"):
+            device = distributed.rank_device(ranks)  # cuda:LOCAL_RANK (the CPU without CUDA)
+        common = {"quantization": o.quantization, "device": device, "block_size": o.block_size,
                   "prefetch": o.prefetch, "lora": lora, "codegen": o.codegen, "memory_budget": o.memory_budget}
         if o.model is not None:
             model = load_pretrained(folder, **common)
@@ -139,7 +165,9 @@ def _set_up(opts: TrainOptions, resume: Optional[Path], saved: Optional[tuple[di
                   f"alpha={o.lora_alpha} on {', '.join(targets)} ({sum(p.numel() for p in trainable):,} trainable "
                   f"parameters)", soft_wrap=True, highlight=False)
     model.train()
-    step_model = torch.compile(model, backend="poros", options={"block_major": o.block_major})
+    # several ranks: DDP with the host store ignored, all-reducing the adapter's gradients
+    step_model = torch.compile(distributed.data_parallel(model) if ranks.distributed else model, backend="poros",
+                               options={"block_major": o.block_major})
     optimizer = torch.optim.AdamW(trainable, lr=o.lr, weight_decay=o.weight_decay)
     losses: list[float] = []
     if saved is not None:
@@ -150,33 +178,42 @@ def _set_up(opts: TrainOptions, resume: Optional[Path], saved: Optional[tuple[di
                   lora_dropout=o.lora_dropout, lr=o.lr, weight_decay=o.weight_decay, seq_len=o.seq_len, pack=o.pack,
                   batch_size=o.batch_size, accumulate=o.accumulate, codegen=o.codegen, device=device.type, seed=o.seed,
                   block_size=o.block_size, prefetch=o.prefetch, steps=steps, log_every=o.log_every,
-                  save_every=o.save_every, memory_budget=o.memory_budget, block_major=o.block_major)
+                  save_every=o.save_every, memory_budget=o.memory_budget, block_major=o.block_major,
+                  world_size=ranks.world_size)
     return _Run(opts=o, model=model, step_model=step_model, named=named, optimizer=optimizer, device=device,
-                dataset=dataset, data_sha256=data_sha256, steps=steps, done=done, losses=losses, record=record)
+                ranks=ranks, dataset=dataset, data_sha256=data_sha256, steps=steps, done=done, losses=losses,
+                record=record)
 
 
 def _loop(run: _Run, resume: Optional[Path]) -> tuple[float, dict[str, torch.Tensor]]:
     """Steps ``run.done + 1 .. run.steps``, saving every ``--save-every``; returns the last step's loss and
     the RNG states after it. On Ctrl-C the last finished step is saved and the command exits with 130."""
-    o, dev = run.opts, run.device
-    micro = batches(run.dataset, o.batch_size, run.steps * o.accumulate, o.seed)
+    o, dev, world = run.opts, run.device, run.ranks.world_size
+    # one data order for the job; rank r takes micro-batches r, r + N, r + 2N, ...
+    micro = itertools.islice(batches(run.dataset, o.batch_size, run.steps * o.accumulate * world, o.seed),
+                             run.ranks.rank, None, world)
     done = run.done
     for _ in range(done * o.accumulate):  # the data position: the same order, the batches already trained skipped
         next(micro)
     rng = rng_state(dev)  # the generators as they stand after the last finished step
     loss_value = run.losses[-1] if run.losses else float("nan")
     try:
-        with StepLog(run.steps, o.log_every, start=run.done) as log:
+        with (distributed.no_ddp_optimizer() if run.ranks.distributed else contextlib.nullcontext(),
+              StepLog(run.steps, o.log_every, start=run.done) as log):
             for step in range(run.done + 1, run.steps + 1):
                 start = time.perf_counter()
                 total = torch.zeros((), device=dev)
                 micro_batches = [{k: v.to(dev) for k, v in next(micro).items()} for _ in range(o.accumulate)]
                 # with --accumulate N each block is loaded once for the N micro-batches (runtime/accumulate.py)
-                with block_major(run.model, micro_batches) if o.accumulate > 1 and o.block_major else contextlib.nullcontext():
+                with block_major(run.model, micro_batches) if o.accumulate > 1 and o.block_major and not run.ranks.distributed \
+                        else contextlib.nullcontext():  # block-major under DDP: not validated yet
                     for batch in micro_batches:
                         loss = run.step_model(**batch, use_cache=False).loss / o.accumulate  # mean over the micro-batches
                         loss.backward()
                         total += loss.detach()
+                if run.ranks.distributed:  # the log shows the ranks' mean loss (every rank sees it)
+                    torch.distributed.all_reduce(total)
+                    total /= world
                 with interrupt_after():  # a step is saved whole or not at all
                     run.optimizer.step()
                     run.optimizer.zero_grad(set_to_none=True)
@@ -186,7 +223,7 @@ def _loop(run: _Run, resume: Optional[Path]) -> tuple[float, dict[str, torch.Ten
                 if not math.isfinite(loss_value):
                     raise fail(f"step {step}: loss is {loss_value}; lower --lr, or check the data")
                 log.step(step, loss_value, time.perf_counter() - start)
-                if o.save_every is not None and step % o.save_every == 0 and step < run.steps:
+                if o.save_every is not None and step % o.save_every == 0 and step < run.steps and run.ranks.rank == 0:
                     run.save(step, rng)
                     log.note(f"step {step}: adapter and resume state saved to {o.out}/")
     except KeyboardInterrupt:
@@ -194,7 +231,8 @@ def _loop(run: _Run, resume: Optional[Path]) -> tuple[float, dict[str, torch.Ten
             raise fail("interrupted before a step finished; nothing new to save" + (
                 f" (the run in {o.out}/ is still at step {done}: `poros-fx train --resume {o.out}`)" if done else ""),
                 code=130)
-        run.save(done, rng)
+        if run.ranks.rank == 0:
+            run.save(done, rng)
         raise fail(f"interrupted: step {done}/{run.steps} saved to {o.out}/ (adapter + resume state). Continue with "
                    f"`poros-fx train --resume {o.out}`", code=130)
     return loss_value, rng
