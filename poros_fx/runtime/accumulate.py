@@ -219,7 +219,6 @@ class BlockMajorStep:
     def _run_forward(self, runtime: Any) -> list:
         """The forward graph for every micro-batch at once, each on the generator state micro-batch order
         gives it (found by replaying the graph's draws, checked against what it drew)."""
-        gm = runtime.graph_module
         lockstep, graph_draws, devices = runtime.lockstep_plan(self.per_micro_batch)
         generators = Generators(devices)
         start = generators.get()
@@ -245,7 +244,7 @@ class BlockMajorStep:
             generators.set(start)
             raise PorosExactnessError(
                 f"block-major accumulation could not reproduce micro-batch order's random numbers for graph "
-                f"{gm.meta.get('poros_graph', '')}: micro-batch {wrong[0]}'s forward drew differently from the replay of "
+                f"{runtime.schedule.graph_id}: micro-batch {wrong[0]}'s forward drew differently from the replay of "
                 f"its draws ({len(graph_draws)} generator calls). Run with options={{'block_major': False}} (and please "
                 "report the model)")
         self.states, self.generators = states, generators
