@@ -216,6 +216,8 @@ def test_bad_uses_raise():
         torch.compile(model, backend="poros", options={"block_major": "yes"})(torch.ones(1, 2, dtype=torch.long))
     with pytest.raises(PorosConfigError, match="block_major must be True or False"):
         poros_fx.step(block_major=1)(lambda model, batch: None)
+    with pytest.raises(PorosConfigError, match="block_major must be True or False"):
+        poros_fx.prepare(tiny_lora_model("qwen2", layers=1), device="cpu", block_major="yes")
 
 
 def test_lockstep_sums_outputs_in_list_order():

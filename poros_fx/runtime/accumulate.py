@@ -98,6 +98,7 @@ class BlockMajorStep:
         self.off: str | None = None  # why this step runs micro-batch-major
         self.forward_graph: Any = None  # the forward GraphRuntime the step's outputs came from
         self.expected: list[list[Any]] = []  # each micro-batch's forward inputs
+        self.per_micro_batch: frozenset[int] = frozenset()  # forward input positions that differ between them
         self.outputs: list[Any] = []
         self.served = 0
         self.states: list[tuple[torch.Tensor, ...]] = []  # generator states before micro-batch i's forward

@@ -380,17 +380,10 @@ def plan(config: BenchConfig, methods: Mapping[str, Method] = METHODS) -> tuple[
 
 def measure_pinned_h2d(device: str | torch.device = "cuda", mib: int = 512, reps: int = 5) -> float:
     """Pinned host-to-device copy bandwidth in GB/s (median of ``reps`` copies of ``mib`` MiB)."""
+    from .h2d import copy_seconds
+
     host = torch.empty(mib * 2**20, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty_like(host, device=device)
-    dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return host.numel() / statistics.median(times) / 1e9
+    return host.numel() / statistics.median(copy_seconds(host, torch.device(device), reps)) / 1e9
 
 
 def environment(device: torch.device) -> dict[str, Any]:
