@@ -6,7 +6,9 @@ the first time (the 4-bit matmul lowering), compiles the region for the schedule
 (``"inductor"``: fused kernels; ``"eager"``: its aten graph as is) and makes the node call that code
 directly, also where an RNG wrapper calls the op (the streamed forward and its recompute), so
 forward, recompute and the ``stream=False`` reference all run one artifact per region. Layers of one
-structure share it: compiling costs the same at 4 layers and at 80.
+structure share it: compiling costs the same at 4 layers and at 80. Each such node says in
+``meta["poros_region"]`` which region and phase it runs, and a forward one in
+``meta["poros_region_draws"]`` what the region draws from the random generators (block-major reads it).
 
 Forward (streamed, CUDA), before / after::
 
@@ -27,8 +29,9 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from poros_fx.compiler.regions import REGION, REGION_BACKWARD, compile_region, table_of
+from poros_fx.compiler.regions import REGION, REGION_BACKWARD, ROLE, compile_for, runners, table_of
 from poros_fx.compiler.schedule import RegionUse, Schedule
+from poros_fx.runtime.draws import REGION_DRAWS, CalledDraws
 
 from .block_partition import BLOCK
 
@@ -55,7 +58,7 @@ def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
         table = table_of(op_args[1])
         if op is REGION:
             inputs, _, layer, call, grads = op_args
-            region = table.region(layer, call, grads, [_val(x) for x in inputs])
+            region, _ = table.region(layer, call, grads, [_val(x) for x in inputs])
         else:
             region = table.regions[op_args[2]]
         if not region.lowered:
@@ -65,13 +68,17 @@ def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
                         region_pass(graph, schedule)
                     graph.recompile()
             region.lowered = True
-        compile_region(region, schedule.codegen)
-        forward, backward = region.runners(schedule.codegen)
+        compile_for(region, schedule.codegen)
+        forward, backward = runners(region, schedule.codegen)
         runner = forward if op is REGION else backward
         if slot < 0:
             n.target = runner
         else:  # the wrapper calls the runner (generated code cannot hold a function as an argument)
             n.target, n.args = _calling(n.target, slot, runner), (*n.args[:slot], *n.args[slot + 1:])
+        n.meta[ROLE] = (region, "forward" if op is REGION else "backward")
+        if op is REGION:
+            n.meta[REGION_DRAWS] = CalledDraws(tuple(region.draws[schedule.codegen]), region.signature.symbols,
+                                               region.signature.bind)
         use = schedule.regions.setdefault(region.name, RegionUse.of(region, schedule.codegen))
         if op is REGION and n.meta.get(BLOCK) is not None:
             use.blocks.add(n.meta[BLOCK])
@@ -85,10 +92,6 @@ def _calling(wrapper: Callable, slot: int, runner: Callable) -> Callable:
         return wrapper(*args[:slot], runner, *args[slot:])
 
     call.__name__ = call.__qualname__ = f"{getattr(wrapper, '__name__', 'rng')}_{runner.__name__}"
-    call.poros_region = runner.poros_region  # type: ignore[attr-defined]
-    call.poros_rng = getattr(wrapper, "poros_rng", None)  # type: ignore[attr-defined]  # save / restore
-    if hasattr(runner, "poros_draws"):
-        call.poros_draws = runner.poros_draws  # type: ignore[attr-defined]
     return call
 
 

@@ -10,8 +10,8 @@ CUDA tensor argument, else all-CPU tensor arguments, else the ``device`` keyword
 on CUDA it reads and sets the generator of the op's own device (``cuda:1`` in the example below),
 where torch's reads the current device's, which on autograd's backward thread or under
 ``prepare(device="cuda:1")`` need not be the same. The node keeps its
-name, so the schedule's RNG slots (``passes/rng.py``, which runs first) still name it. A wrapper on
-another device is left as it is.
+name, so the schedule's RNG slots (``passes/rng.py``, which runs first) still name it, and says in
+``meta["poros_rng"]`` whether it saves or restores the state. A wrapper on another device is left as it is.
 
 Forward, before / after::
 
@@ -31,7 +31,8 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
-from poros_fx.runtime.rng import restore_on, save_on
+from poros_fx.runtime.draws import RNG_ROLE
+from poros_fx.runtime.rng import RESTORE, SAVE, restore_on, save_on
 from poros_fx.compiler.schedule import Schedule
 
 
@@ -54,8 +55,10 @@ def lower_rng(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
         device = _device(n.args[1:], n.kwargs)
         if device is not None and device.type in ("cpu", "cuda"):
             n.target = save_on(device)
+            n.meta[RNG_ROLE] = SAVE  # block-major's draws read it (runtime/draws.py)
     for n in gm.graph.find_nodes(op="call_function", target=run_with_rng_state):
         device = _device(n.args[2:], n.kwargs)
         if device is not None and device.type in ("cpu", "cuda"):
             n.target = restore_on(device)
+            n.meta[RNG_ROLE] = RESTORE
     return gm

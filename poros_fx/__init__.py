@@ -23,6 +23,7 @@ from .io.loader import LoaderError, LoadReport, from_config, load_pretrained, lo
 from .tools.report import report
 from .stats import stats
 from .runtime.accumulate import block_major
+from .runtime.lengths import mark_dynamic
 from .step import PorosStep, step
 
 __version__ = "0.1.0"
@@ -38,5 +39,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "VALIDATED", "Family", "LoadReport", "LoaderError", "from_config", "load_pretrained", "load_report", "NoBlocksError", "PorosConfigError", "PorosError", "PorosExactnessError", "PorosOOMError",
-    "PorosStep", "PorosTrainer", "UnsupportedArchitectureError", "block_major", "ops", "prepare", "report", "stats", "step", "unprepare", "user_asserted",
+    "PorosStep", "PorosTrainer", "UnsupportedArchitectureError", "block_major", "mark_dynamic", "ops", "prepare", "report", "stats", "step", "unprepare", "user_asserted",
 ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+from torch._higher_order_ops.cond import cond_op
 
 NAME = "poros_sdpa"  # the attention implementation a prepared model's config names
 WRAPS = "sdpa"  # the implementation it stands in for
@@ -126,7 +127,12 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
         q, k, v = (_GradSeqMajor.apply(t) for t in (q, k, v))
         return sdpa_attention_forward(module, q, k, v, m, **kwargs)[0]
 
-    return torch.cond(skip, unmasked, masked, (query, key, value, full_mask)), None
+    if torch.compiler.is_dynamo_compiling():  # a layer traced inline into the step's graph
+        return torch.cond(skip, unmasked, masked, (query, key, value, full_mask)), None
+    # a region's own trace (compiler/regions): the higher-order op itself (its branches return tuples),
+    # which make_fx traces branch by branch; torch.cond would compile a wrapper with Dynamo here, whose
+    # frame cache (and its automatic dynamic shapes) would then be shared by every region traced after it
+    return cond_op(skip, lambda *a: (unmasked(*a),), lambda *a: (masked(*a),), (query, key, value, full_mask))[0], None
 
 
 class _GradSeqMajor(torch.autograd.Function):

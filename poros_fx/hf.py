@@ -30,6 +30,7 @@ import torch
 import transformers
 from torch import nn
 
+from .runtime.lengths import mark_dynamic
 from .errors import PorosConfigError
 from .options import PorosOptions
 from .prepare import AUTO, CHECKPOINTING_MESSAGE, ENTRY_ATTR, get_store, prepare
@@ -103,8 +104,8 @@ class PorosTrainer(transformers.Trainer):
         # the Trainer's own loss code, with the forward it calls compiled by poros
         from .distributed import no_ddp_optimizer
 
-        with no_ddp_optimizer():
-            return super().compute_loss(self.poros_model(model), inputs, return_outputs=return_outputs,
+        with no_ddp_optimizer():  # sizes dynamic from the first batch: dynamic padding compiles once
+            return super().compute_loss(self.poros_model(model), mark_dynamic(inputs), return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:
@@ -112,10 +113,14 @@ class PorosTrainer(transformers.Trainer):
         # (training_step's _prepare_inputs then keeps these very tensors), they run block-major
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._poros_end_step()
-        if len(batch_samples) > 1 and self.model is not None and self.poros_options.get("block_major") is not False \
-                and self.poros_options.get("stream", True):
-            batch_samples = [self._prepare_inputs(batch) for batch in batch_samples]
-            self._poros_step = accumulation.begin(self.model, batch_samples, shared=(num_items_in_batch,))
+        if self.model is None:
+            return batch_samples, num_items_in_batch
+        if not accumulation.runs_block_major(self.model, batch_samples, stream=self.poros_options.get("stream", True),
+                                             block_major_option=self.poros_options.get("block_major"),
+                                             data_parallel=self.args.world_size > 1):
+            return batch_samples, num_items_in_batch
+        batch_samples = [self._prepare_inputs(batch) for batch in batch_samples]
+        self._poros_step = accumulation.begin(self.model, batch_samples, shared=(num_items_in_batch,))
         return batch_samples, num_items_in_batch
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from . import attention
+from .adapter_hooks import follow
 from .compiler import ops
+from .compiler.regions import CODEGENS, RegionTable, layer_forward, mode_modules
+from .compiler.regions import state as regions_state
 from .errors import NoBlocksError, PorosConfigError
 from .families import Family, resolve
 from .runtime.arena import HostArena, aligned
@@ -207,8 +211,10 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
 
     reader_blocks: dict[int, set[int]] = {}
     owners: list[tuple[str, nn.Module, list[str]]] = []
+    adapters = adapter_parameters(lm)  # an inactive adapter is frozen too, but it is no part of the base
     for mod_name, module in lm.named_modules():
-        frozen = [n for n, p in module._parameters.items() if p is not None and not p.requires_grad]
+        frozen = [n for n, p in module._parameters.items()
+                  if p is not None and not p.requires_grad and id(p) not in adapters]
         if not frozen:
             continue
         odd = [n for n in frozen if n not in ("weight", "bias")]
@@ -271,8 +277,6 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     return model
 
 
-CODEGENS = ("inductor", "eager")
-
 
 def check_codegen(codegen: Any) -> str | None:
     if codegen is not None and codegen not in CODEGENS:
@@ -291,8 +295,6 @@ def default_codegen(device: torch.device) -> str:
 def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
     """Each decoder layer gets a class whose forward is one ``poros::region`` call under torch.compile
     (``compiler/regions.py``), and the store a table of the regions traced from them."""
-    from .compiler.regions import RegionTable, layer_forward
-
     store.regions = RegionTable(list(layers))
     hosts = {id(e.host) for e in store.entries.values()}
     classes: dict[type, type] = {}
@@ -322,81 +324,24 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
             if block is not None:
                 block.__dict__.pop(ENTRY_ATTR, None)
             for attr in ("_poros_table", "_poros_layer", "_poros_own", "_poros_hosts", "_poros_layout", "_poros_block",
-                         "_poros_block_views", "_poros_device"):
+                         "_poros_block_views", "_poros_device", "_poros_modules", "_poros_adapters"):
                 layer.__dict__.pop(attr, None)
 
         store.undo.append(undo)
-    store.undo.append(_follow_adapters(store, hosts).remove)
+    follower = follow(list(layers), lambda layer: _list_tensors(layer, hosts))
+    store.followers.append(follower)  # alive as long as the store (adapter_hooks.py)
+    store.undo.append(follower.remove)
 
 
 def _list_tensors(layer: nn.Module, hosts: set[int]) -> None:
     """The layer's tensors as plain lists, in ``regions.state`` order: Dynamo reads them far faster than
     ``named_parameters()`` (compiler/regions.py). Host tensors (``hosts``: their ids) are loaded."""
-    from .compiler.regions import state as regions_state
-
     tensors = [t for _, t in regions_state(layer)]
+    layer._poros_modules, layer._poros_adapters = mode_modules(layer)
     layer._poros_own = [t for t in tensors if id(t) not in hosts]
     layer._poros_hosts = [t for t in tensors if id(t) in hosts]
     own, host = iter(range(len(tensors))), iter(range(len(tensors)))
     layer._poros_layout = tuple(("host", next(host)) if id(t) in hosts else ("own", next(own)) for t in tensors)
-
-
-def _follow_adapters(store: HostStore, hosts: set[int]) -> Any:
-    """Keep the layers' tensor lists current when an adapter is attached after ``prepare`` (PEFT's
-    ``get_peft_model`` / ``PeftModel.from_pretrained`` / ``load_adapter`` on a prepared base): torch's
-    module, parameter and buffer registration hooks see every module or tensor set inside a decoder
-    layer. They run before the assignment, so the hook makes it first and then lists the layer again.
-    Also refuses PEFT's ``merge_and_unload`` (see ``_refuse_merge``). Returns a handle whose ``remove``
-    takes the hooks away (``unprepare``)."""
-    import torch.nn.modules.module as module_hooks
-    import weakref
-
-    layers = list(store.regions.layers)
-    store_ref = weakref.ref(store)
-    owner: dict[int, int] = {}  # id of every module inside a decoder layer -> the layer's index
-
-    def index_layer(index: int) -> None:
-        for module in layers[index].modules():
-            owner[id(module)] = index
-
-    for i in range(len(layers)):
-        index_layer(i)
-
-    def registered(module: nn.Module, name: str, value: Any, kind: str) -> None:
-        index = owner.get(id(module))
-        if index is None or store_ref() is None or getattr(layers[index], "_poros_table", None) is None:
-            return
-        if kind == "_modules":
-            _refuse_merge(module._modules.get(name), value)
-        getattr(module, kind)[name] = value  # what the registration is about to do (it does it again)
-        _list_tensors(layers[index], hosts)
-        index_layer(index)
-
-    handles = [
-        module_hooks.register_module_module_registration_hook(lambda m, n, v: registered(m, n, v, "_modules")),
-        module_hooks.register_module_parameter_registration_hook(lambda m, n, v: registered(m, n, v, "_parameters")),
-        module_hooks.register_module_buffer_registration_hook(lambda m, n, v: registered(m, n, v, "_buffers")),
-    ]
-
-    class Handle:
-        @staticmethod
-        def remove() -> None:
-            for handle in handles:
-                handle.remove()
-
-    return Handle()
-
-
-def _refuse_merge(old: nn.Module | None, new: nn.Module) -> None:
-    """PEFT's ``merge_and_unload`` merges each LoRA layer into its base weight and puts the base layer
-    in its place. On a prepared model the base weight a LoRA layer reads is a copy loaded from the host
-    store, so the merge lands in that copy and is lost: the model would silently run without the
-    adapter. Raise before the swap instead."""
-    if old is not None and getattr(old, "merged", False) and callable(getattr(old, "get_base_layer", None)) \
-            and old.get_base_layer() is new:
-        from .compiler.regions import MERGE_ERROR
-
-        raise PorosConfigError(MERGE_ERROR)
 
 
 def _host_block(store: HostStore, hosts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -533,7 +478,8 @@ def _move_linear4bit(store: HostStore, mod_name: str, module: nn.Module, reader_
 
 def _add_entry(store: HostStore, name: str, host: torch.Tensor, origin: torch.device, blocks: tuple[int, ...],
                members: tuple[torch.Tensor, ...] = ()) -> None:
-    entry = HostEntry(name=name, host=host, origin_device=origin, blocks=blocks, store=store, members=members)
+    entry = HostEntry(name=name, host=host, origin_device=origin, blocks=blocks, store_ref=weakref.ref(store),
+                      members=members)
     store.entries[id(host)] = entry
     setattr(host, ENTRY_ATTR, entry)
 
@@ -553,15 +499,26 @@ def set_quant_state(qs: Any, tensors: dict[str, torch.Tensor]) -> None:
 def _load_property(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor | None:
         param = self._parameters.get(name)
-        if param is None or param.requires_grad:
+        if param is None or param.requires_grad or self.__dict__.get("_poros_describing"):
             return param
         return ops.load(param, self._poros_device)
 
     return property(get, doc=f"{name}, loaded from the poros host store onto the compute device")
 
 
+def _describe_without_loading(self: nn.Module) -> str:
+    """The original ``extra_repr`` (``nn.Linear``'s reads ``self.bias is not None``; PEFT prints layers in
+    ``disable_adapter()``), with ``weight`` / ``bias`` the host tensors: describing a module loads nothing."""
+    self.__dict__["_poros_describing"] = True
+    try:
+        return type(self)._poros_original_class.extra_repr(self)
+    finally:
+        del self.__dict__["_poros_describing"]
+
+
 def _poros_class(original: type, module: nn.Module, chunked: bool = False) -> type:
-    namespace: dict[str, Any] = {"__module__": original.__module__, "_poros_original_class": original}
+    namespace: dict[str, Any] = {"__module__": original.__module__, "_poros_original_class": original,
+                                 "extra_repr": _describe_without_loading}
     if chunked:
         namespace["forward"] = _chunked_linear_forward
     if _is_linear4bit(module):
@@ -672,13 +629,26 @@ def check_no_checkpointing(model: nn.Module) -> None:
         raise PorosConfigError(CHECKPOINTING_MESSAGE.format(where=f" ({shown})"))
 
 
+def adapter_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters of every PEFT adapter in ``model``, the inactive ones (frozen) included:
+    what a PEFT tuner layer keeps under its ``adapter_layer_names`` (``lora_A``, ``lora_B``, ...)."""
+    found: set[int] = set()
+    for module in model.modules():
+        for name in getattr(module, "adapter_layer_names", ()):
+            holder = getattr(module, name, None)
+            if isinstance(holder, (nn.Module, nn.ParameterDict)):
+                found.update(id(p) for p in holder.parameters())
+    return found
+
+
 def _place_on_device(model: nn.Module, device: torch.device) -> None:
-    """Move what is not frozen base to ``device``: trainable parameters (their ``.data``, so the
-    Parameter objects, and an optimizer built on them, stay the same; their gradients too) and the
-    buffers. The frozen parameters go to the host store instead (prepare, below)."""
+    """Move what is not frozen base to ``device``: trainable parameters and every adapter's (their
+    ``.data``, so the Parameter objects, and an optimizer built on them, stay the same; their gradients
+    too) and the buffers. The frozen base parameters go to the host store instead (prepare, below)."""
+    adapters = adapter_parameters(model)
     for module in model.modules():
         for param in module._parameters.values():
-            if param is None or not param.requires_grad or param.device == device:
+            if param is None or (not param.requires_grad and id(param) not in adapters) or param.device == device:
                 continue
             grad, moved = param.grad, param.data.to(device)
             if torch._has_compatible_shallow_copy_type(param.data, moved):  # CPU <-> CUDA, as Module._apply

@@ -34,6 +34,7 @@ from typing import Any, Callable, Generic, ParamSpec, TypeVar, overload
 import torch
 from torch import nn
 
+from .runtime.lengths import mark_dynamic
 from .errors import PorosConfigError
 from .options import PorosOptions
 from .prepare import AUTO, check_no_checkpointing, get_store, prepare
@@ -154,6 +155,9 @@ class PorosStep(Generic[P, R]):
             if len(micro_batches) != self.accumulate:
                 raise PorosConfigError(f"{name} has accumulate={self.accumulate} but got {len(micro_batches)} "
                                        f"micro-batches in {where}")
+        for slot in slots.all():  # every length from one compile (runtime/lengths.py)
+            if slot not in modules:
+                mark_dynamic(slots.get(slot))
         streamed = []
         for slot in modules:
             module = slots.get(slot)
@@ -174,11 +178,11 @@ class PorosStep(Generic[P, R]):
             return self.fn(*bound.args, **bound.kwargs)
         micro_batches = slots.get(micro)
         with contextlib.ExitStack() as block_major_steps:
-            # block-major under DDP is not validated yet (its first backwards return no gradients)
-            if self.accumulate > 1 and self.options["stream"] and self.options.get("block_major") is not False \
-                    and not ddp:
-                for module in streamed:  # each block loaded once for all micro-batches (runtime/accumulate.py)
-                    block_major_steps.enter_context(accumulation.block_major(module, list(micro_batches)))
+            for module in streamed:  # each block loaded once for all micro-batches, where it can (runtime/accumulate.py)
+                inner = module.module if ddp and hasattr(module, "module") else module
+                block_major_steps.enter_context(accumulation.step_context(
+                    inner, list(micro_batches), stream=self.options["stream"],
+                    block_major_option=self.options.get("block_major"), data_parallel=ddp))
             results = []
             for micro_batch in micro_batches:
                 slots.set(micro, micro_batch)

@@ -15,6 +15,7 @@ import os
 import re
 import time
 import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -29,6 +30,7 @@ from ..passes.block_partition import BLOCK, FORWARD
 from ..passes.rng import PHASE
 
 from .dump import Dumper
+from .graph_metadata import forget_module_classes
 from ..errors import PorosConfigError
 from ..options import PorosOptions
 from ..prepare import AUTO, CHECKPOINTING_MESSAGE, ENTRY_ATTR
@@ -167,7 +169,7 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         auto_prefetch=requested == AUTO and opts.stream,
         layer_attr=store.family.layer_attr if store else "layers",
         codegen=opts.codegen or (store.codegen if store else "eager"),
-        store=store,
+        store_ref=weakref.ref(store) if store is not None else None,
         dumper=dumper if dumper.enabled else None,
     )
     if store is not None:
@@ -203,8 +205,8 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         for joint_pass in JOINT_PASSES:
             joint = joint_pass(joint, schedule)
             dumper.graph(joint, f"joint_{joint_pass.__name__}")
-        if store is not None:
-            _warn_split_layers(joint, store, schedule)
+        if schedule.store is not None:
+            _warn_split_layers(joint, schedule.store, schedule)
         partition = min_cut_rematerialization_partition if schedule.stream else default_partition
         # graph-safe RNG gives each random op a private generator: exact between forward and recompute
         # but not the stream eager draws from. The plain wrappers save and restore the global state.
@@ -221,11 +223,14 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
                 schedule.blocks[n.meta[BLOCK]].recomputed_nodes += 1
         logger.info("poros: partitioned in %.1f s: forward %d nodes, backward %d nodes (compiled at the first "
                     "backward)", time.perf_counter() - started, len(fw.graph.nodes), len(bw.graph.nodes))
+        for graph in (joint, fw, bw):
+            forget_module_classes(graph)
         return fw, bw
 
     def compiler(phase: str) -> Callable:
         def compile_graph(graph: fx.GraphModule, _inputs: Any) -> Callable:
             graph.meta[PHASE] = phase
+            store = schedule.store  # held weakly: the compiled graph must not keep the model's base alive
             if schedule.auto_prefetch and phase == "backward":
                 schedule.prefetch, schedule.prefetch_note = _measured_depth(store)
             turnaround = _turnaround(schedule, phase, store.head_chunks if store else 1)
@@ -247,11 +252,15 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
                 dumper.graph(graph, f"{phase}_{graph_pass.__name__}")
             schedule.graphs[phase] = graph
             dumper.schedule(schedule)
+            forget_module_classes(graph)
             graph.graph.set_codegen(_BoxedCodeGen())
             graph.recompile()
             return schedule.runtime.wrap(graph)
 
         return compile_graph
 
-    return aot_module_simplified(gm, example_inputs, fw_compiler=compiler("forward"),
-                                 bw_compiler=compiler("backward"), partition_fn=partition_fn)
+    compiled = aot_module_simplified(gm, example_inputs, fw_compiler=compiler("forward"),
+                                     bw_compiler=compiler("backward"), partition_fn=partition_fn)
+    forget_module_classes(gm)  # AOTAutograd's compiled function keeps Dynamo's graph
+    return compiled
+

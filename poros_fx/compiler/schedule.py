@@ -71,7 +71,7 @@ class RegionUse:
     def of(cls, region: Any, codegen: str) -> "RegionUse":
         return cls(name=region.name, codegen=codegen, forward_nodes=len(region.forward.graph.nodes),
                    backward_nodes=len(region.backward.graph.nodes) if region.backward is not None else 0,
-                   saved=len(region.output_meta) - region.num_outputs, trace_seconds=region.trace_seconds,
+                   saved=len(region.output_specs) - region.num_outputs, trace_seconds=region.trace_seconds,
                    compile_seconds=region.compile_seconds.get(codegen, 0.0), region=region)
 
 
@@ -99,8 +99,13 @@ class Schedule:
     graphs: dict[str, Any] = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> final GraphModule
     codegen: str = "eager"  # how the regions of this graph run ("inductor" | "eager")
     regions: dict[str, RegionUse] = dataclasses.field(default_factory=dict)  # region name -> its use here
-    store: Any = dataclasses.field(default=None, repr=False)  # runtime.store.HostStore of the model (its budget plan)
+    # the model's runtime.store.HostStore (its budget plan), held weakly: the compiled graph keeps its schedule
+    store_ref: Any = dataclasses.field(default=None, repr=False)
     dumper: Any = dataclasses.field(default=None, repr=False)  # compiler.dump.Dumper writing this graph's dumps
+
+    @property
+    def store(self) -> Any:
+        return self.store_ref() if self.store_ref is not None else None
 
     def load_source(self, load: Any) -> tuple[str, int]:
         """(host-store name, bytes copied) of a ``poros.load`` node; a chunked head's load reads a row

@@ -48,6 +48,7 @@ import torch.fx as fx
 
 from ..errors import PorosConfigError, PorosExactnessError
 from . import draws as draws_mod
+from .lengths import mark_dynamic
 from .rng import Generators
 
 logger = logging.getLogger("poros_fx")
@@ -99,6 +100,8 @@ class BlockMajorStep:
         self.forward_graph: Any = None  # the forward GraphRuntime the step's outputs came from
         self.expected: list[list[Any]] = []  # each micro-batch's forward inputs
         self.per_micro_batch: frozenset[int] = frozenset()  # forward input positions that differ between them
+        self.paths: dict[int, Path] = {}  # those positions -> where they are in a micro-batch
+        self.versions: list[dict[int, int]] = []  # their version counters when the outputs were computed
         self.outputs: list[Any] = []
         self.served = 0
         self.states: list[tuple[torch.Tensor, ...]] = []  # generator states before micro-batch i's forward
@@ -135,18 +138,19 @@ class BlockMajorStep:
     # -- forward -------------------------------------------------------------------------------------
 
     def _forward(self, runtime: Any, compiled: Callable, args: list) -> Any:
+        size = runtime.input_elements(args)
         if self.off is not None or (self.forward_graph is not None and self.served >= self.n):
-            return runtime.execute(lambda: compiled(args))
+            return runtime.execute(lambda: compiled(args), size=size)
         if self.forward_graph is None:
             reason = self._speculate(runtime, args)
             if reason is not None:
                 self._fall_back(reason)
-                return runtime.execute(lambda: compiled(args))
+                return runtime.execute(lambda: compiled(args), size=size)
             if self.n < 2:  # nothing to run together
                 self.off = "one micro-batch"
-                return runtime.execute(lambda: compiled(args))
+                return runtime.execute(lambda: compiled(args), size=size)
             self.forward_graph = runtime
-            self.outputs = runtime.execute(lambda: self._run_forward(runtime), runs=self.n)
+            self.outputs = runtime.execute(lambda: self._run_forward(runtime), runs=self.n, size=size)
             return self._serve(args, check_rng=False)
         if runtime is not self.forward_graph:
             raise PorosExactnessError(
@@ -166,10 +170,17 @@ class BlockMajorStep:
         refusal = runtime.lockstep_refusal()
         if refusal is not None:
             return refusal
+        hooked = gradient_hooks(self.model)
+        if hooked:
+            return (f"{hooked[0]} has a gradient hook (register_hook / register_post_accumulate_grad_hook), which "
+                    "sees one micro-batch's gradient at a time in micro-batch order, and only their sum here")
         mine = {id(t): path for path, t in tensor_paths(self.micro_batches[0])}
         known = self._model_tensors()
         per: dict[int, Path] = {}
+        sizes = runtime.size_inputs()
         for position, value in enumerate(args):
+            if position in sizes:
+                continue  # a tensor size of the graph: the same for micro-batches of one shape (checked below)
             if not isinstance(value, torch.Tensor):
                 return f"graph input {position} is {type(value).__name__} {value!r}, not a tensor"
             if id(value) in known:
@@ -198,7 +209,11 @@ class BlockMajorStep:
                 row[position] = value
             lists.append(row)
         self.expected = lists
+        self.paths = per
         self.per_micro_batch = frozenset(per)
+        # an in-place edit of a later micro-batch before its forward call would not reach the outputs
+        # computed now: its tensors' version counters are checked when each is served
+        self.versions = [{p: row[p]._version for p in per} for row in lists]
         return None
 
     def _model_tensors(self) -> set[int]:
@@ -220,12 +235,13 @@ class BlockMajorStep:
     def _run_forward(self, runtime: Any) -> list:
         """The forward graph for every micro-batch at once, each on the generator state micro-batch order
         gives it (found by replaying the graph's draws, checked against what it drew)."""
-        lockstep, graph_draws, devices = runtime.lockstep_plan(self.per_micro_batch)
+        lockstep, devices = runtime.lockstep_plan(self.per_micro_batch)
+        step_draws = runtime.draws_at(self.expected[0])
         generators = Generators(devices)
         start = generators.get()
         states = [start]
         for _ in range(self.n):
-            draws_mod.replay(graph_draws)
+            draws_mod.replay(step_draws)
             states.append(generators.get())
         current = list(states[:-1])
 
@@ -246,7 +262,7 @@ class BlockMajorStep:
             raise PorosExactnessError(
                 f"block-major accumulation could not reproduce micro-batch order's random numbers for graph "
                 f"{runtime.schedule.graph_id}: micro-batch {wrong[0]}'s forward drew differently from the replay of "
-                f"its draws ({len(graph_draws)} generator calls). Run with options={{'block_major': False}} (and please "
+                f"its draws ({len(step_draws)} generator calls). Run with options={{'block_major': False}} (and please "
                 "report the model)")
         self.states, self.generators = states, generators
         self.store.ledger.block_major_steps += 1
@@ -264,6 +280,14 @@ class BlockMajorStep:
                 f"holds (graph input {position} differs), but its outputs were computed from micro_batches[{i}]. "
                 "Call the model with each micro-batch's tensors as they are, in order, once per micro-batch, "
                 "or run with options={'block_major': False}")
+        changed = [p for p, version in self.versions[i].items() if expected[p]._version != version]
+        if changed:
+            path = _show_path(self.paths[changed[0]])
+            raise PorosExactnessError(
+                f"block-major accumulation: micro-batch {i}'s {path} was changed in place after micro-batch 0's "
+                f"forward, which already computed micro-batch {i}'s outputs from it as it was. Edit every micro-batch "
+                "before the step starts (or give the model a new tensor instead of editing one), or run with "
+                "options={'block_major': False}")
         generators = self.generators
         if check_rng and self.moving:
             now = generators.get()
@@ -323,6 +347,51 @@ class BlockMajorStep:
         return tuple(sums)
 
 
+def gradient_hooks(model: torch.nn.Module) -> list[str]:
+    """Names of ``model``'s trainable parameters with a gradient hook."""
+    return [name for name, p in model.named_parameters() if p.requires_grad
+            and (getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None))]
+
+
+def runs_block_major(model: torch.nn.Module, micro_batches: Sequence[Any], *, stream: bool = True,
+                     block_major_option: bool | None = None, data_parallel: bool = False) -> bool:
+    """The one place that decides whether an optimizer step's micro-batches run block-major, for
+    ``@poros_fx.step``, ``PorosTrainer`` and ``poros-fx train`` alike. They do with two or more
+    micro-batches of a streamed, prepared model, unless ``block_major_option`` (the compile option;
+    ``None``: ``prepare``'s ``block_major``) turns it off; under ``DistributedDataParallel``
+    (``data_parallel``) they do not, with a warning once per model (its forward hands the graph other
+    tensors than the micro-batch's, and its gradient all-reduce runs per backward). Whatever a step
+    meets later that micro-batch order would do differently (a gradient hook, random numbers inside a
+    ``torch.cond`` branch, micro-batches of different shapes) is checked when it starts, before
+    anything runs, and the step then runs micro-batch after micro-batch with the warning saying why
+    (``BlockMajorStep``)."""
+    from ..prepare import get_store
+
+    store = get_store(model)
+    wanted = store.block_major if block_major_option is None and store is not None else block_major_option
+    if store is None or not stream or not wanted or len(micro_batches) < 2:
+        return False
+    if data_parallel:
+        reason = ("the model runs under DistributedDataParallel (block-major there is not validated: DDP's forward "
+                  "hands the graph its own tensors and all-reduces every backward)")
+        if not store.block_major_warned:
+            store.block_major_warned = True
+            warnings.warn(f"poros block-major accumulation is off: {reason}; {FALLBACK_ADVICE}", stacklevel=3)
+        return False
+    return True
+
+
+def step_context(model: torch.nn.Module, micro_batches: Sequence[Any], *, stream: bool = True,
+                 block_major_option: bool | None = None, data_parallel: bool = False,
+                 shared: Sequence[Any] = ()) -> contextlib.AbstractContextManager:
+    """``block_major(model, micro_batches)`` where ``runs_block_major`` says so, else a context that does
+    nothing (the micro-batches run one after the other)."""
+    if runs_block_major(model, micro_batches, stream=stream, block_major_option=block_major_option,
+                        data_parallel=data_parallel):
+        return block_major(model, micro_batches, shared=shared)
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def block_major(model: torch.nn.Module, micro_batches: Sequence[Any], *, shared: Sequence[Any] = ()) -> Iterator[BlockMajorStep]:
     """Run the forwards and backwards of ``micro_batches`` (one optimizer step) block-major.
@@ -362,6 +431,8 @@ def begin(model: torch.nn.Module, micro_batches: Sequence[Any], *, shared: Seque
     if store.accumulation is not None:
         raise PorosConfigError("a block-major step of this model is already running (nested block_major, or one "
                                "left open); end it first")
+    for batch in micro_batches:  # every length from one compile (runtime/lengths.py)
+        mark_dynamic(batch)
     store.accumulation = BlockMajorStep(model, store, micro_batches, shared)
     return store.accumulation
 
@@ -378,40 +449,3 @@ def end(model: torch.nn.Module, step: BlockMajorStep, check: bool = True) -> Non
     else:
         with contextlib.suppress(PorosExactnessError):
             step.close()
-
-
-def graph_draws(gm: fx.GraphModule) -> list[Any]:
-    """The draws (``runtime/draws.py``) of one micro-batch's run of a forward graph after the passes:
-    compiled regions' own draws, RNG-saving wrappers' ops, and plain random ops."""
-    out: list[Any] = []
-    for n in gm.graph.nodes:
-        found = node_draws(n)
-        if found is not None:
-            out.extend(found)
-    return out
-
-
-def node_draws(node: fx.Node) -> list[Any] | None:
-    """What ``node`` draws (``None``: it draws nothing); a node whose draws cannot be replayed raises
-    ``ValueError``."""
-    if node.op != "call_function":
-        return None
-    target = node.target
-    role = getattr(target, "poros_rng", None)
-    if role == "restore":  # a recompute: it sets the state it saved and puts the current one back
-        return None
-    region = getattr(target, "poros_draws", None)
-    if region is not None:
-        return list(region)
-    if role == "save":
-        op = node.args[0]
-        if not draws_mod.is_random(op):
-            raise ValueError(f"{node.name} saves the RNG state around {op}, which is neither random nor a region")
-        val = node.meta.get("val")  # (the saved state, the op's result)
-        return [draws_mod.op_draw(op, node.args[1:], dict(node.kwargs), val[1] if isinstance(val, tuple) else None)]
-    if draws_mod.is_random(target):
-        return [draws_mod.node_draw(node)]
-    if isinstance(target, torch._ops.HigherOrderOperator) and "rng" in target.name():
-        raise ValueError(f"{node.name} is an RNG wrapper on a device poros does not lower ({target.name()})")
-    return None
-

@@ -65,6 +65,8 @@ class ResidencyPlan:
     transient: int = 0  # what the first step added to what was allocated when it started
     predicted_peak: int = 0  # allocated between steps (kept blocks aside) + transient + resident bytes
     adjustments: list[str] = dataclasses.field(default_factory=list)  # kept blocks given back later, and why
+    measured_size: int = 0  # elements of the measured step's inputs (x micro-batches): longer steps re-measure
+    last_peak: int = 0  # the last training step's measured peak (CUDA; the ledger's base bytes on the CPU)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -154,32 +156,73 @@ def _allocated(store: Any) -> int:
     return store.ledger.resident_bytes
 
 
-def start_measuring(store: Any) -> None:
-    """Before a training forward of a store with a budget: the first one starts the peak measurement
-    (CUDA's peak counter is the process's; this resets it); a later one checks the plan (``fit``)."""
+def start_measuring(store: Any, size: int) -> None:
+    """Before a training forward of a store with a budget, whose inputs hold ``size`` elements (times
+    the micro-batches run together). The first one, and one larger than any measured before (a longer
+    sequence: more activations than the plan was made for), runs fully streamed and measures its peak
+    (CUDA's peak counter is the process's; this resets it): kept blocks are given back first. A later one
+    checks the plan against what is allocated now (``fit``) and starts measuring its own peak."""
     if store.memory_budget is None or store.budget_measuring:
         return
-    if store.plan is not None:
+    p = store.plan
+    if p is not None and size > p.measured_size:
+        notes = p.adjustments + [f"at forward run {store.ledger.forward_runs + 1}: a step of {size} input elements, "
+                                 f"more than the {p.measured_size} the plan was measured on: its kept blocks were "
+                                 "given back and the step measured fully streamed"]
+        store.forget_plan()
+        store.budget_notes = notes
+        p = None
+    if p is not None:
         fit(store)
-        return
-    store.budget_measuring = True
+    else:
+        store.budget_measuring = True
+        store.budget_size = size
     store.budget_start = _allocated(store)
+    store.ledger.start_step()
     if store.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(store.device)
 
 
 def measure_and_plan(store: Any) -> None:
-    """After the first fully streamed step of a store with a budget: measure its peak and make the plan."""
-    if store.memory_budget is None or store.plan is not None or not store.budget_measuring:
+    """After a training step of a store with a budget: a measuring step makes the plan from its peak; a
+    step that ran with a plan and peaked above the budget gives kept blocks back for the next one."""
+    if store.memory_budget is None:
         return
     if store.device.type == "cuda":
-        peak, how = torch.cuda.max_memory_allocated(store.device), "cuda: max_memory_allocated over the first step"
+        peak, how = torch.cuda.max_memory_allocated(store.device), "cuda: max_memory_allocated over the step"
     else:
-        peak, how = store.ledger.peak_resident_base_bytes, "cpu: base bytes on the device (ledger)"
-    store.plan = plan(store, store.memory_budget, peak, how, transient=peak - store.budget_start)
-    store.kept_hosts = resident_hosts(store, store.plan)
-    store.budget_measuring = False
-    redump(store)
+        peak, how = store.ledger.step_peak, "cpu: base bytes on the device (ledger)"
+    if store.budget_measuring:
+        store.plan = plan(store, store.memory_budget, peak, how, transient=peak - store.budget_start)
+        store.plan.measured_size = store.budget_size
+        store.plan.adjustments = store.budget_notes + store.plan.adjustments
+        store.budget_notes = []
+        store.kept_hosts = resident_hosts(store, store.plan)
+        store.budget_measuring = False
+        store.plan.last_peak = peak
+        redump(store)
+        return
+    p = store.plan
+    if p is None:
+        return
+    p.last_peak = peak
+    if peak > p.budget:  # over: the next step gets the overflow back, earliest kept layer first
+        over, given = peak - p.budget, []
+        sizes = store.block_bytes()
+        while p.resident_blocks and over > 0:
+            name = p.resident_blocks.pop(0)
+            index = store.block_names.index(name)
+            p.resident_bytes -= sizes[index]
+            p.streamed_bytes_per_step += 2 * sizes[index]
+            p.transient += sizes[index]  # the measured step needed that much more than the plan said
+            over -= sizes[index]
+            given.append(name)
+            _release_block(store, index)
+        store.kept_hosts = resident_hosts(store, p)
+        p.adjustments.append(f"after forward run {store.ledger.forward_runs}: the step peaked at {_size(peak)}, above "
+                             f"the budget; gave back {len(given)} kept block(s)"
+                             + (f" ({given[0]}..{given[-1]})" if given else " (none left to give)"))
+        redump(store)
 
 
 def fit(store: Any) -> None:

@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Any, Callable
 
 import torch
 
 from ..errors import PorosConfigError, PorosOOMError
 from .arena import ALIGN, nbytes
-from . import budget
+from . import budget, draws
 from .store import HostStore, cache_key
 
 RUN_GAP = 256 * 2**10  # host bytes a copy may span that no load reads, rather than start another copy
@@ -96,13 +97,17 @@ def plan_group(hosts: list[torch.Tensor]) -> GroupPlan:
 class GraphRuntime:
     def __init__(self, store: HostStore | None, stream: bool, phase: str, measure: bool = False,
                  turnaround: frozenset[int] = frozenset(), schedule: Any = None, training: bool = False) -> None:
-        self.store = store
+        # weak: Dynamo's cache holds the compiled graph, which must not keep an unprepared or freed model's
+        # store (its whole pinned base) alive
+        self._store_ref = weakref.ref(store) if store is not None else None
         self.stream = stream
         self.phase = phase
         self.schedule = schedule  # compiler.schedule.Schedule of the graph (its forward and backward share it)
         # a training graph that streams: an optimizer step's micro-batches may run it together
         # (runtime/accumulate.py), unless options={"block_major": False}
         wanted = schedule.options.block_major if schedule is not None else None
+        self.training = training  # a training graph (its forward has a backward)
+        self._data_positions: tuple[int, ...] | None = None  # arguments that are the run's own inputs
         self.block_major = (stream and training and store is not None
                             and (store.block_major if wanted is None else wanted))
         self.graph_module: Any = None  # the graph ``wrap`` runs (lockstep plans read it)
@@ -120,6 +125,17 @@ class GraphRuntime:
         self._pending: dict[int, Any] = {}  # id(device copy) -> the copy stream's done event
         self._waited: Any = None  # the done event the compute stream waited for last
         self._plans: dict[tuple[int, ...], GroupPlan] = {}  # host addresses of a group -> its layout
+        self._draws: Any = None  # (a forward's draws in its symbols, how a run binds them, the last binding's)
+
+    @property
+    def store(self) -> HostStore | None:
+        if self._store_ref is None:
+            return None
+        store = self._store_ref()
+        if store is None:
+            raise PorosConfigError("a compiled graph of a prepared model ran after the model was unprepared or freed; "
+                                   "compile the model again (torch.compile(model, backend='poros'))")
+        return store
 
     def load_group(self, hosts: list[torch.Tensor], device: torch.device, block: int) -> list[torch.Tensor]:
         """Device copies of ``hosts`` (one prefetch group), as views of one new device buffer laid out
@@ -283,19 +299,20 @@ class GraphRuntime:
             step = self.store.accumulation
             if step is not None and self.block_major:
                 return step.call(self, compiled, args)
-            return self.execute(lambda: compiled(args))
+            return self.execute(lambda: compiled(args), size=self.input_elements(args))
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
 
-    def execute(self, graph_run: Callable[[], Any], runs: int = 1) -> Any:
-        """``graph_run()`` (this graph for one micro-batch, or ``runs`` of them together) with the
-        store's bookkeeping around it: one graph at a time, the memory budget's measured first step, the
-        turn-around copies no backward took."""
+    def execute(self, graph_run: Callable[[], Any], runs: int = 1, size: int = 0) -> Any:
+        """``graph_run()`` (this graph for one micro-batch, or ``runs`` of them together, whose inputs
+        hold ``size`` elements each: ``input_elements``) with the store's bookkeeping around it: one graph
+        at a time, the memory budget's measurements and plan (training steps only), the turn-around
+        copies no backward took."""
         steps = self.store.steps
         steps.begin()  # one graph of a model at a time (runtime/store.py)
-        if self.stream and self.phase == "forward":
-            budget.start_measuring(self.store)
+        if self.stream and self.phase == "forward" and self.training:
+            budget.start_measuring(self.store, size * runs)
         try:
             out = self._run(graph_run, runs)
         finally:
@@ -305,12 +322,20 @@ class GraphRuntime:
             budget.measure_and_plan(self.store)  # after the first step: which blocks stay resident
         return out
 
+    def input_elements(self, args: list[Any]) -> int:
+        """Elements of a run's own inputs (token ids, labels, masks: not the model's parameters or base
+        tensors), which grow with the sequence length: a memory budget's plan holds for steps no larger
+        than the one it was measured on."""
+        if self._data_positions is None:
+            entries = self.store.entries
+            self._data_positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+                                         and not a.requires_grad and id(a) not in entries)
+        return sum(args[i].numel() for i in self._data_positions if isinstance(args[i], torch.Tensor))
+
     # -- block-major accumulation (runtime/accumulate.py) --------------------------------------------------
 
     def lockstep_refusal(self) -> str | None:
         """Why this graph cannot run for several micro-batches together, or ``None``."""
-        from .accumulate import node_draws
-
         for n in self.graph_module.graph.nodes:
             if n.op != "call_function":
                 continue
@@ -318,30 +343,56 @@ class GraphRuntime:
             if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
                 return f"the {self.phase} graph mutates an input ({n.name}: {target})"
             try:
-                found = node_draws(n)
+                found = draws.node_draws(n)
+                for draw in found or ():
+                    if isinstance(draw, draws.Unreplayable):
+                        raise ValueError(draw.reason)
             except ValueError as e:
                 return f"the {self.phase} graph draws random numbers poros cannot replay ({e})"
-            if found is not None and self.phase == "backward":
+            if found and self.phase == "backward":
                 return f"the backward graph draws fresh random numbers ({n.name})"
         return None
 
-    def lockstep_plan(self, per_micro_batch: frozenset[int]) -> tuple[Any, list[Any], tuple[torch.device, ...]]:
-        """The forward graph's lockstep plan for these per-micro-batch inputs, its draws (one
-        micro-batch's), and the devices whose generators it draws from (the CPU's always)."""
+    def lockstep_plan(self, per_micro_batch: frozenset[int]) -> tuple[Any, tuple[torch.device, ...]]:
+        """The forward graph's lockstep plan for these per-micro-batch inputs, and the devices whose
+        generators it draws from (the CPU's always)."""
         key = ("forward", per_micro_batch)
         if key not in self._lockstep:
-            from .accumulate import graph_draws, node_draws
             from .lockstep import Lockstep
 
             gm = self.graph_module
-            plan = Lockstep(gm, per_micro_batch, is_evict=self._is_evict, draws=lambda n: node_draws(n) is not None)
-            found = graph_draws(gm)
+            plan = Lockstep(gm, per_micro_batch, is_evict=self._is_evict, draws=lambda n: draws.node_draws(n) is not None)
+            found = self._step_draws()
             devices = {torch.device("cpu")} | {d.device for d in found}
             if self.store.device.type == "cuda":
                 devices.add(torch.device("cuda", self.store.device.index))
             ordered = tuple(sorted(devices, key=lambda d: (d.type != "cpu", d.index or 0)))
-            self._lockstep[key] = (plan, found, ordered)
+            self._lockstep[key] = (plan, ordered)
         return self._lockstep[key]
+
+    def _step_draws(self) -> list[Any]:
+        if self._draws is None:
+            self._draws = (draws.step_draws(self.graph_module), draws.graph_symbols(self.graph_module), {})
+        return self._draws[0]
+
+    def size_inputs(self) -> frozenset[int]:
+        """Positions of the graph's int inputs that are sizes of its tensor inputs (a graph compiled
+        for every sequence length takes the length as an int too)."""
+        placeholders = [p.meta.get("val") for p in self.graph_module.graph.find_nodes(op="placeholder")]
+        tensor_sizes = {draws.size_of(d) for v in placeholders if isinstance(v, torch.Tensor) for d in v.shape}
+        return frozenset(i for i, v in enumerate(placeholders)
+                         if isinstance(v, torch.SymInt) and draws.size_of(v) in tensor_sizes)
+
+    def draws_at(self, args: list[Any]) -> list[Any]:
+        """One micro-batch's draws of this forward graph at the sizes of a run on ``args``."""
+        found = self._step_draws()
+        _, symbols, known = self._draws
+        values = symbols(args)
+        key = tuple(sorted((str(s), v) for s, v in values.items()))
+        if key not in known:
+            known.clear()  # sizes change from step to step; keep the last
+            known[key] = [d.at(values) for d in found] if values else found
+        return known[key]
 
     def backward_plan(self, per_micro_batch: frozenset[int]) -> Any:
         """The backward graph's lockstep plan, its outputs (parameter gradients) summed."""

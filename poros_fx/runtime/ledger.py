@@ -29,12 +29,14 @@ class ResidencyLedger:
     backward_runs: int = 0
     block_major_steps: int = 0  # accumulation steps whose micro-batches ran block-major (runtime/accumulate.py)
     block_major_micro_batches: int = 0  # the micro-batches of those steps
+    step_peak: int = 0  # the peak since ``start_step`` (a memory budget's measurement window, runtime/budget.py)
 
     def on_load(self, nbytes: int) -> None:
         self.loads += 1
         self.bytes_loaded += nbytes
         self.resident_bytes += nbytes
         self.peak_resident_base_bytes = max(self.peak_resident_base_bytes, self.resident_bytes)
+        self.step_peak = max(self.step_peak, self.resident_bytes)
 
     def on_eager_load(self, nbytes: int) -> None:
         """A base tensor copied to the device by ``poros::load`` run eagerly (one copy of its own)."""
@@ -52,10 +54,14 @@ class ResidencyLedger:
         if self.resident_bytes < 0:
             raise AssertionError("residency ledger went negative: an evict without its load")
 
+    def start_step(self) -> None:
+        """Start a new ``step_peak`` window at what is resident now."""
+        self.step_peak = self.resident_bytes
+
     def reset(self) -> None:
         """Zero the counters (the resident set itself is what it is)."""
         resident = self.resident_bytes
         for f in dataclasses.fields(self):
             setattr(self, f.name, 0)
         self.resident_bytes = resident
-        self.peak_resident_base_bytes = resident
+        self.peak_resident_base_bytes = self.step_peak = resident

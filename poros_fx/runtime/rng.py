@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-SAVE, RESTORE = "save", "restore"  # the ``poros_rng`` mark of each wrapper (runtime/accumulate.py reads it)
+SAVE, RESTORE = "save", "restore"  # what a lowered wrapper node does (its meta["poros_rng"], passes/lower_rng.py)
 
 
 def run_and_save_rng_state_cpu(op: Any, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
@@ -30,10 +30,6 @@ def run_with_rng_state_cpu(rng_state: torch.Tensor, op: Any, *args: Any, **kwarg
     return out
 
 
-run_and_save_rng_state_cpu.poros_rng = SAVE  # type: ignore[attr-defined]
-run_with_rng_state_cpu.poros_rng = RESTORE  # type: ignore[attr-defined]
-
-
 def save_on(device: torch.device) -> Callable[..., tuple[torch.Tensor, Any]]:
     """``run_and_save_rng_state`` for ``device``. torch's CUDA implementation reads the *current*
     device's generator; the op's tensors may live on another (``prepare(device="cuda:1")`` while the
@@ -46,7 +42,6 @@ def save_on(device: torch.device) -> Callable[..., tuple[torch.Tensor, Any]]:
         return torch.cuda.get_rng_state(index), op(*args, **kwargs)
 
     run_and_save_rng_state_cuda.__name__ = run_and_save_rng_state_cuda.__qualname__ = f"run_and_save_rng_state_cuda{index}"
-    run_and_save_rng_state_cuda.poros_rng = SAVE  # type: ignore[attr-defined]
     return run_and_save_rng_state_cuda
 
 
@@ -65,7 +60,6 @@ def restore_on(device: torch.device) -> Callable[..., Any]:
         return out
 
     run_with_rng_state_cuda.__name__ = run_with_rng_state_cuda.__qualname__ = f"run_with_rng_state_cuda{index}"
-    run_with_rng_state_cuda.poros_rng = RESTORE  # type: ignore[attr-defined]
     return run_with_rng_state_cuda
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 import warnings
 import weakref
 from typing import Any
@@ -40,8 +41,13 @@ class HostEntry:
     host: torch.Tensor  # the host copy every load reads
     origin_device: torch.device  # where it lived before prepare
     blocks: tuple[int, ...]  # the blocks that read it (two for a tied embedding / lm_head)
-    store: "HostStore" = dataclasses.field(repr=False)  # the store it belongs to
+    store_ref: "weakref.ref[HostStore]" = dataclasses.field(repr=False)  # the store it belongs to (weak: a
+    # compiled graph's schedule lists entries, and must not keep an unprepared model's store alive)
     members: tuple[torch.Tensor, ...] = ()  # a decoder layer's block: the host tensors its bytes span
+
+    @property
+    def store(self) -> "HostStore | None":
+        return self.store_ref()
 
     @property
     def spans(self) -> bool:
@@ -68,6 +74,7 @@ class HostStore:
     resident_cache: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)  # stream=False copies
     head_chunks: int = 1  # row chunks the lm_head weight is loaded in
     undo: list[Any] = dataclasses.field(default_factory=list)  # callables that reverse prepare, in order
+    followers: list[Any] = dataclasses.field(default_factory=list)  # adapter_hooks.LayerFollower, kept alive here
     # one per graph the backend compiled, the last SCHEDULES_KEPT of them
     schedules: collections.deque[Any] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=SCHEDULES_KEPT))
@@ -79,7 +86,9 @@ class HostStore:
     regions: Any = None  # compiler.regions.RegionTable of the decoder layers (None: layers traced inline)
     memory_budget: int | None = None  # bytes the step may use on the device (runtime/budget.py); None: stream all
     budget_measuring: bool = False  # the first step (fully streamed) is measuring its peak for the plan
-    budget_start: int = 0  # bytes allocated when that first step started (runtime/budget.py)
+    budget_start: int = 0  # bytes allocated when the step in flight started (runtime/budget.py)
+    budget_size: int = 0  # input elements of the step being measured
+    budget_notes: list[str] = dataclasses.field(default_factory=list)  # the plan's history across re-measurements
     plan: Any = None  # runtime.budget.ResidencyPlan, made after the first step when there is a budget
     kept_hosts: set[int] = dataclasses.field(default_factory=set)  # ids of host tensors the plan keeps resident
     kept_ids: dict[int, bool] = dataclasses.field(default_factory=dict)  # id(device copy) kept -> booked in the ledger
@@ -219,13 +228,16 @@ class StepState:
     """
 
     running: int = 0  # graphs of this model running now
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def begin(self) -> None:
-        if self.running:
-            raise PorosConfigError("a compiled graph of this prepared model started while another one was still "
-                                   "running (two threads using one model?): one prepared model runs one step at a "
-                                   "time; give each thread its own model, or serialize the steps")
-        self.running += 1
+        with self._lock:  # two threads must not both see 0 and both start
+            if self.running:
+                raise PorosConfigError("a compiled graph of this prepared model started while another one was still "
+                                       "running (two threads using one model?): one prepared model runs one step at "
+                                       "a time; give each thread its own model, or serialize the steps")
+            self.running += 1
 
     def end(self) -> None:
-        self.running -= 1
+        with self._lock:
+            self.running -= 1

@@ -39,12 +39,16 @@ def lora_targets(model_type: str) -> list[str]:
 
 
 def tiny_config(family: str = "qwen2", *, layers: int = 3, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                vocab: int = 256, attn: str = "sdpa", tie_word_embeddings: bool = False) -> transformers.PretrainedConfig:
+                vocab: int = 256, attn: str = "sdpa", tie_word_embeddings: bool = False, intermediate: int | None = None,
+                attention_dropout: float = 0.0) -> transformers.PretrainedConfig:
+    """A small config of ``family``: ``intermediate`` (default ``2 * hidden``) and ``hidden`` need not be
+    multiples of anything; ``attention_dropout`` > 0 draws random numbers inside the attention."""
     if family not in _CONFIGS:
         raise ValueError(f"no tiny config for {family!r}; known: {sorted(_CONFIGS)}")
-    kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                  tie_word_embeddings=tie_word_embeddings)
+    kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
+                  attention_dropout=attention_dropout)
     if family in ("qwen3", "gemma3_text"):
         kwargs["head_dim"] = hidden // heads
     if family == "gemma3_text":

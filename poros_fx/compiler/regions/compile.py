@@ -1,0 +1,97 @@
+"""Compiling a region once per codegen: Inductor's fused kernels, or its aten graph as it is.
+
+Forward, recompute and the ``stream=False`` reference all call the one artifact ``compile_region``
+makes, so they compute the same bits. Inductor compiles the region's graphs in the region's own fake
+mode, with its symbolic sizes: one compile serves every sequence length. Inductor may pad the
+strides of what it computes (``comprehensive_padding`` for sizes that are not multiples of the
+alignment); every output of a region keeps the strides its trace gave it, because the region's
+other graph (the backward, for a saved tensor) and the outer graph were made for those::
+
+    output.meta["user_visible_output_idxs"] = [0, 1, ..., 52]     # all of them, not just the layer's output
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from ...errors import PorosConfigError
+from .trace import Region, isolated
+
+logger = logging.getLogger("poros_fx")
+
+CODEGENS = ("inductor", "eager")
+
+
+def compile_region(region: Region, codegen: str, draws_of: Callable[[fx.GraphModule], list[Any]]) -> None:
+    """``region.compiled[codegen]``: boxed callables of its forward and backward. ``draws_of``: what a
+    graph takes from the random generators (``runtime/draws.py``), kept in ``region.draws``."""
+    if codegen in region.compiled:
+        return
+    started = time.perf_counter()
+    if codegen == "eager":
+        compiled = (_boxed(region.forward), _boxed(region.backward) if region.backward is not None else None)
+        draws = draws_of(region.forward)
+    elif codegen == "inductor":
+        fw, draws = _inductor(region, region.forward, draws_of, is_backward=False, inference=region.backward is None)
+        bw = None
+        if region.backward is not None:
+            bw, _ = _inductor(region, region.backward, draws_of, is_backward=True, inference=False)
+        compiled = (fw, bw)
+    else:
+        raise PorosConfigError(f"codegen must be one of {CODEGENS}, got {codegen!r}")
+    region.compiled[codegen] = compiled
+    region.draws[codegen] = draws
+    region.compile_seconds[codegen] = time.perf_counter() - started
+    logger.info("poros: compiled region %s (%s) in %.1f s", region.name, codegen, region.compile_seconds[codegen])
+
+
+def _boxed(gm: fx.GraphModule) -> Callable:
+    from torch.fx.graph import _BoxedCodeGen
+
+    boxed = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    boxed.graph.set_codegen(_BoxedCodeGen())
+    boxed.recompile()
+    return boxed
+
+
+def keep_output_strides(gm: fx.GraphModule) -> None:
+    """Make Inductor give every output of ``gm`` the strides its fake value has (it keeps only the
+    outputs it is told are visible; the others it may lay out as it likes, padded)."""
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    outs = output.args[0]
+    output.meta["original_output_strides"] = [
+        o.meta["val"].stride() if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor) else None
+        for o in outs]
+    output.meta["user_visible_output_idxs"] = [i for i, o in enumerate(outs) if isinstance(o, fx.Node)]
+
+
+def _inductor(region: Region, gm: fx.GraphModule, draws_of: Callable[[fx.GraphModule], list[Any]], *, is_backward: bool,
+              inference: bool) -> tuple[Callable, list[Any]]:
+    """``gm`` through Inductor the way ``torch.compile`` takes a graph: decomposed with Inductor's
+    table, Inductor's joint-graph passes (canonicalization, patterns, its own random ops), then
+    ``compile_fx_inner`` (the entry point AOTAutograd calls for each graph it compiles), all in the
+    region's fake mode. Returns the compiled code and its draws (the random ops of the graph Inductor
+    lowers, its seeds and any random op it leaves as a call, are what the code takes)."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    from torch._inductor.virtualized import V
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = region.mode
+    inputs = [p.meta["val"] for p in gm.graph.find_nodes(op="placeholder")]
+    with isolated(), tracing(TracingContext(mode)), V.set_fake_mode(mode):
+        with mode:
+            decomposed = make_fx(gm, decomposition_table=select_decomp_table(),
+                                 tracing_mode="symbolic" if region.signature.dynamic else "real")(*inputs)
+        decomposed = joint_graph_passes(decomposed)
+        draws = draws_of(decomposed)  # before compile_fx_inner, which changes the graph
+        keep_output_strides(decomposed)
+        return compile_fx_inner(decomposed, inputs, is_backward=is_backward, is_inference=inference), draws

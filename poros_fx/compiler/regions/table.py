@@ -1,0 +1,132 @@
+"""The regions of one prepared model: found by a layer's structure and call, traced when new.
+
+``RegionTable.region`` answers "which region runs this call of layer N, and at which sizes": the
+layer's fingerprint (``key.py``), the call string (with the layer's mode) and which inputs need a
+gradient pick the candidates; the first whose signature binds the call's tensors (``shapes.py``)
+is it. A call no region takes is traced now (``trace.py``), once per structure: layers of one
+structure share the region at every sequence length.
+
+Custom ops take tensors, ints and strings, not Python objects: ``poros::region`` names the table of
+its prepared model by a handle, resolved here (``table_of``); a table lives as long as its host
+store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any, Sequence
+
+from torch import nn
+
+from ...errors import PorosConfigError
+from .key import check_state, fingerprint
+from .shapes import meta_of
+from .trace import Region, trace_region
+
+logger = logging.getLogger("poros_fx")
+
+# handle -> table; weak, so a compiled graph (which holds only the handle) keeps no model alive
+_TABLES: weakref.WeakValueDictionary[int, "RegionTable"] = weakref.WeakValueDictionary()
+
+
+def quiet_compile_events() -> Any:
+    """A region traced or compiled inside Dynamo's own compile nests AOTAutograd's and Inductor's timed
+    events in Dynamo's: their chromium event log is put back as it was afterwards, which keeps it
+    from warning "Start event not in stack" for each of Dynamo's events that ends after ours."""
+    from torch._dynamo import utils as dynamo_utils
+
+    timed = getattr(dynamo_utils, "chromium_event_timed", None)
+    return timed("poros_region", reset_event_log_on_exit=True) if timed is not None else contextlib.nullcontext()
+
+
+def table_of(handle: int) -> "RegionTable":
+    table = _TABLES.get(handle)
+    if table is None:
+        raise PorosConfigError("a compiled graph refers to a prepared model that no longer exists (it was "
+                               "unprepared or freed); compile the model again")
+    return table
+
+
+class RegionTable:
+    """The regions of one prepared model's decoder layers, keyed by structure; ``handle`` names it in
+    the region ops' arguments."""
+
+    def __init__(self, layers: Sequence[nn.Module]) -> None:
+        self.layers = list(layers)
+        # (fingerprint no., call, grads, each input's dtype/device/rank) -> regions, symbolic ones first
+        self.by_key: dict[Any, list[Region]] = {}
+        self.objects: dict[int, tuple[Any, Any]] = {}  # fingerprint's object descriptions
+        self.fingerprints: dict[tuple, int] = {}  # fingerprint -> its number (the keys hold the number)
+        self._memo: tuple[Any, dict[int, int]] = (None, {})  # (the compile's TracingContext, layer -> fingerprint no.)
+        self.regions: list[Region] = []
+        self.handle = id(self)
+        _TABLES[self.handle] = self
+
+    def _fingerprint(self, layer: int) -> int:
+        """``fingerprint`` of layer ``layer``, worked out once per compile: Dynamo, AOTAutograd and the
+        passes each ask for every layer, and nothing changes a module while a frame compiles (one
+        ``TracingContext``)."""
+        from torch._guards import TracingContext
+
+        context = TracingContext.try_get()
+        if context is None:
+            return self._intern(layer)
+        if self._memo[0] is not context:
+            self._memo = (context, {})
+        known = self._memo[1]
+        if layer not in known:
+            known[layer] = self._intern(layer)
+        return known[layer]
+
+    def _intern(self, layer: int) -> int:
+        """A small number for the layer's fingerprint (a large tuple, slow to hash at every lookup)."""
+        check_state(self.layers[layer], layer)
+        return self.fingerprints.setdefault(fingerprint(self.layers[layer], self.objects), len(self.fingerprints))
+
+    def region(self, layer: int, call: str, grads: str, inputs: Sequence[Any]) -> tuple[Region, tuple]:
+        """The region for this call of layer ``layer`` on the op inputs ``inputs`` (fake or real
+        tensors), traced now if no region takes it, and the values of its symbols for this call."""
+        coarse = tuple((t.dtype, t.device, t.dim()) for t in inputs)
+        key = (self._fingerprint(layer), call, grads, coarse)
+        for region in self.by_key.get(key, ()):
+            values = region.signature.bind(inputs)
+            if values is not None:
+                self._used_by(region, layer)
+                return region, values
+        from ...distributed import check_ddp_optimizer
+
+        check_ddp_optimizer()  # under it, the trace's own frames fail to compile
+        with quiet_compile_events():
+            region = trace_region(self.layers[layer], call, grads, [meta_of(t) for t in inputs], index=len(self.regions))
+        values = region.signature.bind(inputs)
+        if values is None:
+            raise AssertionError(f"poros: region {region.name} does not take the call it was traced for "
+                                 f"({region.signature.describe()})")
+        self.regions.append(region)
+        self._file(key, region)
+        # a first forward may cache plain attributes (bitsandbytes' compute dtype): file the region
+        # under what the layer looks like now as well
+        after = self._intern(layer)
+        if after != key[0]:
+            self._file((after, *key[1:]), region)
+        if self._memo[0] is not None:
+            self._memo[1][layer] = after
+        self._used_by(region, layer)
+        logger.info("poros: traced region %s (layer %d: forward %d nodes, backward %d nodes, %d saved; %s) in %.1f s",
+                    region.name, layer, len(region.forward.graph.nodes),
+                    len(region.backward.graph.nodes) if region.backward is not None else 0,
+                    len(region.output_specs) - region.num_outputs,
+                    "every sequence length" if region.signature.dynamic else "these sizes only", region.trace_seconds)
+        return region, values
+
+    def _file(self, key: Any, region: Region) -> None:
+        found = self.by_key.setdefault(key, [])
+        found.append(region)
+        found.sort(key=lambda r: not r.signature.dynamic)  # the general ones first: no size guards on a match
+
+    @staticmethod
+    def _used_by(region: Region, layer: int) -> None:
+        if layer not in region.layers:
+            region.layers.append(layer)

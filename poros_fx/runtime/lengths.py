@@ -1,0 +1,39 @@
+"""One compile for every sequence length: a batch's sizes marked dynamic before the compiled model sees it.
+
+Dynamo compiles a graph for the sizes of the first call and, when a later call brings other sizes,
+compiles once more with those sizes as symbols (its "automatic dynamic shapes"); from then on every
+length runs that graph. The regions inside are symbolic from their first trace (``compiler/regions``),
+so that second compile re-traces no layer, but it is still a second capture of the whole step.
+``mark_dynamic`` asks Dynamo for symbolic sizes from the first call: every dimension of every tensor
+in the batch (sizes 0 and 1 stay numbers, Dynamo's rule; a dimension the model fixes, such as a
+hidden size, is specialized without a recompile). ``@poros_fx.step``, ``PorosTrainer``,
+``poros_fx.block_major`` and ``poros-fx train`` do it for you; call it on your own batches before a
+plain ``torch.compile(model, backend="poros")`` call to skip the second compile::
+
+    batch = poros_fx.mark_dynamic({"input_ids": ids, "labels": ids})
+    loss = step_model(**batch).loss
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import torch
+
+B = TypeVar("B")
+
+
+def mark_dynamic(batch: B) -> B:
+    """``batch`` (a tensor, or mappings / lists / tuples of them) with every tensor's dimensions marked
+    dynamic for Dynamo (``torch._dynamo.maybe_mark_dynamic``); returns ``batch`` itself."""
+    if isinstance(batch, torch.Tensor):
+        for dim in range(batch.dim()):
+            torch._dynamo.maybe_mark_dynamic(batch, dim)
+    elif isinstance(batch, Mapping):
+        for value in batch.values():
+            mark_dynamic(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            mark_dynamic(value)
+    return batch
