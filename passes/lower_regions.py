@@ -56,9 +56,10 @@ def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
         op = n.target if slot < 0 else n.args[slot]
         op_args = n.args if slot < 0 else n.args[slot + 1:]
         table = table_of(op_args[1])
+        values = ()
         if op is REGION:
             inputs, _, layer, call, grads = op_args
-            region, _ = table.region(layer, call, grads, [_val(x) for x in inputs])
+            region, values = table.region(layer, call, grads, [_val(x) for x in inputs])
         else:
             region = table.regions[op_args[2]]
         if not region.lowered:
@@ -77,8 +78,7 @@ def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
             n.target, n.args = _calling(n.target, slot, runner), (*n.args[:slot], *n.args[slot + 1:])
         n.meta[ROLE] = (region, "forward" if op is REGION else "backward")
         if op is REGION:
-            n.meta[REGION_DRAWS] = CalledDraws(tuple(region.draws[schedule.codegen]), region.signature.symbols,
-                                               region.signature.bind)
+            n.meta[REGION_DRAWS] = CalledDraws.bound(region.draws[schedule.codegen], region.signature.symbols, values)
         use = schedule.regions.setdefault(region.name, RegionUse.of(region, schedule.codegen))
         if op is REGION and n.meta.get(BLOCK) is not None:
             use.blocks.add(n.meta[BLOCK])

@@ -22,21 +22,16 @@ Backward::
 
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 from torch._prims.rng_prims import graphsafe_run_with_rng_state, run_and_save_rng_state, run_with_rng_state
 
 from poros_fx.errors import PorosExactnessError
+from poros_fx.runtime.draws import is_random
 from poros_fx.compiler.schedule import RngSlot, Schedule
 
 from .block_partition import BLOCK, FORWARD
 
 PHASE = "poros_phase"
-
-
-def _is_random(node: fx.Node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in tags
 
 
 def _block_from_users(node: fx.Node) -> int:
@@ -73,7 +68,7 @@ def rng(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
                 schedule.rng_slots[slot].backward_node = n.name
     # a backward op with the tag (e.g. an SDPA backward) replays the philox seed its forward saved;
     # what must not happen is a *recomputed forward* random op running unwrapped
-    fresh = [n.name for n in wrappers if _is_random(n) and n.meta.get(FORWARD)]
+    fresh = [n.name for n in wrappers if is_random(n.target) and n.meta.get(FORWARD)]
     if fresh:
         raise PorosExactnessError(f"the backward graph reruns random op(s) {fresh} without the forward's RNG state; "
                                   "their masks would differ from the forward's. This configuration cannot be exact.")

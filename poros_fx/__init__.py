@@ -14,6 +14,7 @@ if not _os.path.isdir(_os.path.join(__path__[0], "passes")) and _os.path.isfile(
         _os.path.join(_os.path.dirname(__path__[0]), "passes", "__init__.py")):
     __path__.append(_os.path.dirname(__path__[0]))
 
+from . import log_filters
 from .compiler import ops  # registers poros::load
 from .errors import (NoBlocksError, PorosConfigError, PorosError, PorosExactnessError, PorosOOMError,
                      UnsupportedArchitectureError)
@@ -27,6 +28,8 @@ from .runtime.lengths import mark_dynamic
 from .step import PorosStep, step
 
 __version__ = "0.1.0"
+
+log_filters.install()
 
 
 def __getattr__(name: str):

@@ -240,12 +240,16 @@ def replay(draws: Sequence[Draw | Unreplayable | Callable[[], None]]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CalledDraws:
-    """The draws of the compiled region a node calls, in the region's symbols, and how the node's
-    input tensors bind them (``Signature.bind``)."""
+    """The draws of the compiled region a node calls, in the calling graph's own symbols (the region's
+    sizes bound to the node's inputs when the node was pointed at the region)."""
 
     draws: tuple[Draw | Unreplayable, ...]
-    symbols: tuple[Any, ...]
-    bind: Callable[[Sequence[Any]], tuple | None]
+
+    @classmethod
+    def bound(cls, draws: Sequence[Draw | Unreplayable], symbols: Sequence[Any], values: Sequence[Any]) -> "CalledDraws":
+        """``draws`` in a region's ``symbols``, at ``values`` (the calling graph's sizes: ints or SymInts)."""
+        mapping = {s: size_of(v) for s, v in zip(symbols, values)}
+        return cls(tuple(d.at(mapping) for d in draws))
 
 
 def step_draws(gm: fx.GraphModule) -> list[Draw | Unreplayable]:
@@ -272,14 +276,7 @@ def node_draws(node: fx.Node) -> list[Draw | Unreplayable] | None:
         return None
     called = node.meta.get(REGION_DRAWS)
     if called is not None:
-        if not called.draws:
-            return []
-        tensors = next(a for a in node.args if isinstance(a, (list, tuple)))
-        values = called.bind([t.meta["val"] for t in tensors])
-        if values is None:
-            raise ValueError(f"{node.name}'s inputs do not fit its region")
-        mapping = {s: size_of(v) for s, v in zip(called.symbols, values)}
-        return [d.at(mapping) for d in called.draws]
+        return list(called.draws)
     if role == "save":
         op = node.args[0]
         if not is_random(op):
