@@ -29,14 +29,18 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # PorosTrainer imports transformers' Trainer: load it only when asked for
+    # PorosTrainer imports transformers' Trainer, PorosSFTTrainer the optional trl: load them only when asked for
     if name == "PorosTrainer":
         from .hf import PorosTrainer
 
         return PorosTrainer
+    if name == "PorosSFTTrainer":
+        from .sft import PorosSFTTrainer
+
+        return PorosSFTTrainer
     raise AttributeError(f"module 'poros_fx' has no attribute {name!r}")
 
 __all__ = [
     "VALIDATED", "Family", "LoadReport", "LoaderError", "from_config", "load_pretrained", "load_report", "NoBlocksError", "PorosConfigError", "PorosError", "PorosExactnessError", "PorosOOMError",
-    "PorosStep", "PorosTrainer", "UnsupportedArchitectureError", "block_major", "ops", "prepare", "report", "stats", "step", "unprepare", "user_asserted",
+    "PorosSFTTrainer", "PorosStep", "PorosTrainer", "UnsupportedArchitectureError", "block_major", "ops", "prepare", "report", "stats", "step", "unprepare", "user_asserted",
 ]
