@@ -14,6 +14,10 @@ if not _os.path.isdir(_os.path.join(__path__[0], "passes")) and _os.path.isfile(
         _os.path.join(_os.path.dirname(__path__[0]), "passes", "__init__.py")):
     __path__.append(_os.path.dirname(__path__[0]))
 
+from .noise import filter_third_party_noise
+
+filter_third_party_noise()  # before bitsandbytes is imported (below)
+
 from .compiler import ops  # registers poros::load
 from .errors import (NoBlocksError, PorosConfigError, PorosError, PorosExactnessError, PorosOOMError,
                      UnsupportedArchitectureError)
@@ -24,6 +28,7 @@ from .tools.report import report
 from .stats import stats
 from .runtime.accumulate import block_major
 from .step import PorosStep, step
+from .finetune import FineTuner
 
 __version__ = "0.1.0"
 
@@ -41,6 +46,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'poros_fx' has no attribute {name!r}")
 
 __all__ = [
-    "VALIDATED", "Family", "LoadReport", "LoaderError", "from_config", "load_pretrained", "load_report", "NoBlocksError", "PorosConfigError", "PorosError", "PorosExactnessError", "PorosOOMError",
+    "VALIDATED", "Family", "FineTuner", "LoadReport", "LoaderError", "from_config", "load_pretrained", "load_report", "NoBlocksError", "PorosConfigError", "PorosError", "PorosExactnessError", "PorosOOMError",
     "PorosSFTTrainer", "PorosStep", "PorosTrainer", "UnsupportedArchitectureError", "block_major", "ops", "prepare", "report", "stats", "step", "unprepare", "user_asserted",
 ]
