@@ -593,18 +593,21 @@ def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: t
 def main() -> None:
     """The ``poros-fx`` script: every error is one ``error:`` line on stderr, exit code 2 for bad input (130 for
     Ctrl-C); click's usage errors and poros-fx's own errors alike."""
-    import click
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer vendors click: its exceptions
 
     from ..errors import PorosError
     from .train_run import Interrupted
 
     try:
         code = app(standalone_mode=False)
-    except click.exceptions.UsageError as e:
+    except NoArgsIsHelpError as e:  # `poros-fx` alone: the help, as --help prints it
+        print(e.ctx.get_help() if e.ctx is not None else e.format_message())
+        raise SystemExit(0) from None
+    except UsageError as e:
         hint = f" (poros-fx {e.ctx.command_path.split(' ', 1)[1]} --help)" if e.ctx is not None and " " in \
             e.ctx.command_path else " (poros-fx --help)"
         raise SystemExit(fail(e.format_message() + hint, code=2).exit_code) from None
-    except click.exceptions.Abort:
+    except typer.Abort:
         raise SystemExit(fail("aborted", code=130).exit_code) from None
     except Interrupted as e:
         raise SystemExit(fail(str(e), code=130).exit_code) from None
