@@ -215,6 +215,15 @@ def test_export_errors(model_dir, text_adapter, tmp_path):
     transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2", layers=2, vocab=VOCAB, hidden=32)).save_pretrained(other)
     with pytest.raises(ExportError, match="adapter trained on a different base"):
         export_merged(adapter, other, tmp_path / "out")
+    # the same shapes, another model: refused by the name the adapter records, unless asked for
+    import shutil
+
+    sibling = Path(shutil.copytree(model_dir, tmp_path / "sibling"))
+    assert str(model_dir) in (adapter / "adapter_config.json").read_text()
+    with pytest.raises(ExportError, match="base_model_name_or_path.*--any-base"):
+        export_merged(adapter, sibling, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    export_merged(adapter, sibling, tmp_path / "out", any_base=True)
 
 
 def test_export_names_a_corrupt_adapter_in_one_line(model_dir, text_adapter, tmp_path):

@@ -508,7 +508,9 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
            base: str = typer.Option(..., help="the base model: folder (save_pretrained layout) or cached hub id"),
            out: Path = typer.Option(..., "-o", "--out", help="new folder for the merged bf16 model"),
            max_shard_size: str = typer.Option("5GB", help="largest shard (cut at decoder-layer boundaries)"),
-           overwrite: bool = typer.Option(False, help="write into a non-empty OUT, replacing its model files")) -> None:
+           overwrite: bool = typer.Option(False, help="write into a non-empty OUT, replacing its model files"),
+           any_base: bool = typer.Option(False, "--any-base", help="merge even when the adapter names another base "
+                                         "(base_model_name_or_path); the shapes are checked either way")) -> None:
     """Merge a LoRA adapter into a bf16 copy of its base, tensor by tensor (never the whole model in memory)."""
     from ..errors import PorosError
     from ..io.export import export_merged
@@ -523,9 +525,11 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
                           console=console) as bar:
                 task = bar.add_task("merge", total=None)
                 report = export_merged(adapter_dir, base, out, max_shard_bytes=limit, overwrite=overwrite,
-                                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+                                       progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                       any_base=any_base)
         else:
-            report = export_merged(adapter_dir, base, out, max_shard_bytes=limit, overwrite=overwrite)
+            report = export_merged(adapter_dir, base, out, max_shard_bytes=limit, overwrite=overwrite,
+                                   any_base=any_base)
     except PorosError as e:
         raise fail(str(e))
     console.print(f"merged {report.merged_modules} LoRA modules into {report.tensors} bf16 tensors: "
