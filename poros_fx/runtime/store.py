@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import weakref
 from typing import Any
 
@@ -182,11 +183,12 @@ class HostStore:
     def on_eager(self, op: str, loaded: torch.Tensor | None) -> None:
         """``op`` (``poros::load`` / ``poros::gather``) ran as the op's own implementation, not through a
         graph's runtime: a prepared model called without ``torch.compile``, or code Dynamo ran eagerly (a
-        graph break, ``torch.compiler.disable``, the recompile limit). With grad enabled outside the poros
-        graphs that is refused (``PorosConfigError``): autograd would keep what it loads on the device until
-        the backward, unstreamed. Under ``torch.no_grad()`` (evaluation, generation) the loaded tensor is
-        booked in the ledger until it is freed."""
-        if not self.steps.running and torch.is_grad_enabled():
+        graph break, ``torch.compiler.disable``, the recompile limit). A forward run that way with grad enabled
+        is refused (``PorosConfigError``): autograd would keep what it loads on the device until the backward,
+        unstreamed. Under ``torch.no_grad()`` (evaluation, generation), and for a read outside any module's
+        forward (peft inspecting a layer's weight while it attaches an adapter), the loaded tensor is booked
+        in the ledger until it is freed."""
+        if not self.steps.running and torch.is_grad_enabled() and _in_module_call():
             why = ("the prepared model was called without torch.compile(model, backend='poros')" if not self.schedules
                    else "Dynamo ran part of the step eagerly (a graph break, torch.compiler.disable, or its recompile "
                    "limit: TORCH_LOGS=graph_breaks,recompiles says which), or the prepared model itself was called "
@@ -200,6 +202,18 @@ class HostStore:
             size = nbytes(loaded)
             self.ledger.on_eager_load(size)
             weakref.finalize(loaded, self.ledger.on_evict, size)
+
+
+def _in_module_call() -> bool:
+    """Whether an ``nn.Module`` call (a forward) is on the Python stack: a base tensor read there feeds the
+    forward's autograd graph; one read by setup code outside any forward does not."""
+    call = torch.nn.Module._call_impl.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is call:
+            return True
+        frame = frame.f_back
+    return False
 
 
 @dataclasses.dataclass(eq=False)
