@@ -26,6 +26,7 @@ from torch import nn
 
 from .errors import PorosConfigError, PorosError
 from .tools.run_config import RUN_CONFIG_FILE, write_run_config
+from .tools.run_state import claim_out
 from .tools.sources import model_source, save_tokenizer
 from .tools.train_run import Session, TrainOptions, TrainResult, load_model, train
 
@@ -71,9 +72,10 @@ class FineTuner:
     def tokenizer(self) -> Any:
         return self.session.tokenizer
 
-    def train(self, data: str | os.PathLike, **kwargs: Any) -> TrainResult:
+    def train(self, data: str | os.PathLike, *, overwrite: bool = False, **kwargs: Any) -> TrainResult:
         """Train on ``data`` (a file, a ``save_to_disk`` folder, a cached dataset id, or ``"synthetic"``);
-        ``kwargs``: the options of ``poros-fx train`` (``steps``, ``epochs``, ``seq_len``, ``lr``, ...)."""
+        ``kwargs``: the options of ``poros-fx train`` (``steps``, ``epochs``, ``seq_len``, ``lr``, ...). An ``out``
+        folder that holds anything is refused unless ``overwrite`` (as the command's ``--out``)."""
         names = {f.name for f in dataclasses.fields(TrainOptions)}
         unknown = sorted(set(kwargs) - names)
         fixed = sorted(set(kwargs) & set(_FIXED))
@@ -85,6 +87,9 @@ class FineTuner:
         out = kwargs.pop("out", None)
         self.opts = TrainOptions(**model_settings, seed=self.opts.seed, data=str(data),
                                  out=Path(out) if out is not None else None, **kwargs)
+        self.opts.check()
+        if self.opts.out is not None:
+            claim_out(self.opts.out, overwrite)
         self.result = train(self.opts, session=self.session)
         return self.result
 

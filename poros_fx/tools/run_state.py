@@ -43,7 +43,7 @@ SETTINGS = ("model", "from_config", "data", "quantization", "lora_r", "lora_alph
             "lr", "weight_decay", "seq_len", "pack", "batch_size", "accumulate", "codegen", "device", "seed",
             "block_size", "prefetch", "warmup_steps", "schedule", "max_grad_norm", "train_on", "split")
 # files a run writes into its folder (what --overwrite replaces; nothing else there is touched)
-RUN_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md", STATE_FILE, "metrics.jsonl", "run.toml",
+RUN_FILES = ("adapter_model.safetensors", STATE_FILE, "metrics.jsonl", "run.toml",
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json",
              "merges.txt", "added_tokens.json", "tokenizer.model")
 CHECKPOINT_PREFIX = "checkpoint-"
@@ -97,6 +97,9 @@ def claim_out(out: Path, overwrite: bool) -> None:
         what = "a poros-fx run (adapter and resume state)" if (out / STATE_FILE).is_file() else "files"
         raise PorosConfigError(f"--out {out} exists and holds {what}; pass --overwrite to replace it, --resume {out} "
                                f"to continue that run, or pick a new folder")
+    if (out / "adapter_config.json").is_file():  # peft's README.md (model card) goes with its adapter
+        for name in ("adapter_config.json", "README.md"):
+            (out / name).unlink(missing_ok=True)
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
     for folder in [*out.glob(f"{CHECKPOINT_PREFIX}*"), out / "tensorboard"]:
