@@ -37,7 +37,7 @@ _LOAD_NAMES = {"lora_rank": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout"
                "memory_budget": "memory_budget", "seed": "seed"}
 # what train() may not change: the model was built with these
 _FIXED = ("model", "from_config", "quantization", "lora_r", "lora_alpha", "lora_dropout", "target_modules", "device",
-          "block_size", "prefetch", "codegen", "memory_budget")
+          "block_size", "prefetch", "codegen", "memory_budget", "seed")
 
 
 class FineTuner:
@@ -85,7 +85,7 @@ class FineTuner:
                                                                        "from_pretrained)"))
         model_settings = {name: getattr(self.opts, name) for name in _FIXED}
         out = kwargs.pop("out", None)
-        self.opts = TrainOptions(**model_settings, seed=self.opts.seed, data=str(data),
+        self.opts = TrainOptions(**model_settings, data=str(data),
                                  out=Path(out) if out is not None else None, **kwargs)
         self.opts.check()
         if self.opts.out is not None:
