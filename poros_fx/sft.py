@@ -67,6 +67,9 @@ class PorosSFTTrainer(PorosTrainer, trl.SFTTrainer):
         if args is None:  # SFTTrainer's own default, with checkpointing off
             name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "")
             args = trl.SFTConfig(f"{str(name).split('/')[-1] or 'model'}-SFT")
+        if args.world_size > 1:  # the backbone is compiled apart from DDP's wrapper: its gradients would not be synced
+            raise PorosConfigError("PorosSFTTrainer runs in one process for now (torchrun / accelerate launch with "
+                                   f"{args.world_size} processes asked for); PorosTrainer runs under torchrun")
         if checkpointing_on(args):
             logger.info("PorosSFTTrainer: gradient_checkpointing switched off (the poros backend recomputes each block "
                         "in the backward itself)")
