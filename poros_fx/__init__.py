@@ -14,7 +14,10 @@ if not _os.path.isdir(_os.path.join(__path__[0], "passes")) and _os.path.isfile(
         _os.path.join(_os.path.dirname(__path__[0]), "passes", "__init__.py")):
     __path__.append(_os.path.dirname(__path__[0]))
 
-from . import log_filters
+from .noise import filter_third_party_noise
+
+filter_third_party_noise()  # before bitsandbytes is imported (below)
+
 from .compiler import ops  # registers poros::load
 from .errors import (NoBlocksError, PorosConfigError, PorosError, PorosExactnessError, PorosOOMError,
                      UnsupportedArchitectureError)
@@ -26,21 +29,24 @@ from .stats import stats
 from .runtime.accumulate import block_major
 from .runtime.lengths import mark_dynamic
 from .step import PorosStep, step
+from .finetune import FineTuner
 
 __version__ = "0.1.0"
 
-log_filters.install()
-
 
 def __getattr__(name: str):
-    # PorosTrainer imports transformers' Trainer: load it only when asked for
+    # PorosTrainer imports transformers' Trainer, PorosSFTTrainer the optional trl: load them only when asked for
     if name == "PorosTrainer":
         from .hf import PorosTrainer
 
         return PorosTrainer
+    if name == "PorosSFTTrainer":
+        from .sft import PorosSFTTrainer
+
+        return PorosSFTTrainer
     raise AttributeError(f"module 'poros_fx' has no attribute {name!r}")
 
 __all__ = [
-    "VALIDATED", "Family", "LoadReport", "LoaderError", "from_config", "load_pretrained", "load_report", "NoBlocksError", "PorosConfigError", "PorosError", "PorosExactnessError", "PorosOOMError",
-    "PorosStep", "PorosTrainer", "UnsupportedArchitectureError", "block_major", "mark_dynamic", "ops", "prepare", "report", "stats", "step", "unprepare", "user_asserted",
+    "VALIDATED", "Family", "FineTuner", "LoadReport", "LoaderError", "from_config", "load_pretrained", "load_report", "NoBlocksError", "PorosConfigError", "PorosError", "PorosExactnessError", "PorosOOMError",
+    "PorosSFTTrainer", "PorosStep", "PorosTrainer", "UnsupportedArchitectureError", "block_major", "mark_dynamic", "ops", "prepare", "report", "stats", "step", "unprepare", "user_asserted",
 ]

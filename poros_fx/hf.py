@@ -170,5 +170,27 @@ def _check_args(args: transformers.TrainingArguments | None) -> None:
         raise PorosConfigError(f"PorosTrainer streams the base to one device per process; got n_gpu={args.n_gpu} "
                                "(torch.nn.DataParallel over several GPUs in one process): start one process per GPU "
                                "with torchrun --nproc-per-node N or accelerate launch (docs/distributed.md)")
-    if args.gradient_checkpointing:  # the same refusal as prepare's and the backend's
+    if checkpointing_on(args):  # the same refusal as prepare's and the backend's
         raise PorosConfigError(CHECKPOINTING_MESSAGE.format(where=" (TrainingArguments.gradient_checkpointing=True)"))
+
+
+def checkpointing_on(args: transformers.TrainingArguments) -> bool:
+    """Whether ``args`` ask the Trainer for activation checkpointing (``gradient_checkpointing``, or its newer
+    name ``activation_checkpointing``, of which it became an alias in transformers 5.2x)."""
+    return bool(args.gradient_checkpointing or getattr(args, "activation_checkpointing", False))
+
+
+def checkpointing_off(args: transformers.TrainingArguments) -> None:
+    """Switch the Trainer's activation checkpointing off under both of its names."""
+    args.gradient_checkpointing = False
+    if hasattr(args, "activation_checkpointing"):
+        args.activation_checkpointing = False
+
+
+def __getattr__(name: str) -> Any:
+    # PorosSFTTrainer subclasses trl.SFTTrainer: trl is an optional extra (poros-fx[trl]), imported on first use
+    if name == "PorosSFTTrainer":
+        from .sft import PorosSFTTrainer
+
+        return PorosSFTTrainer
+    raise AttributeError(f"module 'poros_fx.hf' has no attribute {name!r}")

@@ -56,7 +56,7 @@ def test_check_unknown_model_and_family(tmp_path):
 
     transformers.GPT2Config(n_layer=1).save_pretrained(tmp_path)
     res = cli("check", str(tmp_path), check=False)
-    assert res.returncode == 2 and "not a validated poros-fx family" in res.stdout
+    assert res.returncode == 2 and "not a validated poros-fx family" in res.stderr
 
 
 @pytest.mark.parametrize("quantization", ["bf16", "nf4"])

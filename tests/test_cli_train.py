@@ -104,7 +104,7 @@ def test_train_csv_prompt_response(model_dir, tmp_path):
                     "say poros,poros streams a frozen base\n", encoding="utf-8")
     res = cli("train", str(model_dir), "--data", str(data), "--out", str(tmp_path / "adapter"), "--steps", "1",
               "--no-pack", *FAST)
-    assert "3 examples (prompt/response)" in res.stdout and "step 1/1" in res.stdout
+    assert "3 examples (prompt/completion)" in res.stdout and "step 1/1" in res.stdout
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
 
 
@@ -130,7 +130,7 @@ def test_bad_data_errors_through_the_cli(model_dir, tmp_path):
     (tmp_path / "data.parquet").write_text("x")
     unknown = cli("train", str(model_dir), "--data", str(tmp_path / "data.parquet"), "--out", str(tmp_path / "a"),
                   check=False)
-    assert unknown.returncode == 2 and "unknown data format '.parquet'" in unknown.stderr
+    assert unknown.returncode == 2 and "data.parquet: not a readable parquet file" in unknown.stderr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n\n{"question": "no known field"}\n', encoding="utf-8")
     res = cli("train", str(model_dir), "--data", str(bad), "--out", str(tmp_path / "a"), check=False)
@@ -156,8 +156,8 @@ def test_bad_data_errors(model_dir, tmp_path):
     assert "empty.csv: empty CSV file" in error("empty.csv", "")
     assert "no records (empty dataset)" in error("header.csv", "prompt,response\n")
     assert "empty.json: no records" in error("empty.json", "[]")
-    assert "rows.csv:2: record has prompt but no 'response'" in error("rows.csv", "prompt,text\na,b\nc,d\n")
-    assert "obj.json: a .json data file must hold a list" in error("obj.json", '{"text": "a"}')
+    assert "rows.csv:2: record has 'prompt' but no 'completion'" in error("rows.csv", "prompt,text\na,b\nc,d\n")
+    assert "number.json: a .json data file holds a list of records" in error("number.json", '5')
     assert "broken.jsonl:2: not valid JSON" in error("broken.jsonl", '{"text": "a"}\n{"text": \n')
     assert "list.json: record 1: field 'input_ids' is not a list of integers" in error(
         "list.json", '[{"input_ids": [1, 2]}, {"input_ids": "x y"}]')
@@ -215,6 +215,15 @@ def test_export_errors(model_dir, text_adapter, tmp_path):
     transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2", layers=2, vocab=VOCAB, hidden=32)).save_pretrained(other)
     with pytest.raises(ExportError, match="adapter trained on a different base"):
         export_merged(adapter, other, tmp_path / "out")
+    # the same shapes, another model: refused by the name the adapter records, unless asked for
+    import shutil
+
+    sibling = Path(shutil.copytree(model_dir, tmp_path / "sibling"))
+    assert str(model_dir) in (adapter / "adapter_config.json").read_text()
+    with pytest.raises(ExportError, match="base_model_name_or_path.*--any-base"):
+        export_merged(adapter, sibling, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    export_merged(adapter, sibling, tmp_path / "out", any_base=True)
 
 
 def test_export_names_a_corrupt_adapter_in_one_line(model_dir, text_adapter, tmp_path):

@@ -187,54 +187,39 @@ def test_a_graph_running_refuses_another():
 
 # -- 6. base loads outside the poros graphs -------------------------------------------------------------------
 
-def poros_warnings(caught):
-    return [str(w.message) for w in caught if "outside a poros graph" in str(w.message)]
-
-
-def test_eager_calls_are_booked_and_warned_once():
+def test_eager_training_forward_is_refused_and_no_grad_is_booked():
+    """A prepared model called without the poros backend: under no_grad its loads are booked (and freed);
+    with grad enabled the first base load raises, naming the fix, before anything is kept for a backward."""
     model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
     batch = demo_batches(1, seq=8)[0]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with torch.no_grad():  # generation, debugging: counted, not warned about
-            model(**batch, use_cache=False)
-        s = poros_fx.stats(model)
-        loads = s["eager_loads"]
-        assert loads == s["loads"] > 0 and s["resident_base_bytes"] == 0 and not poros_warnings(caught)
-        loss = model(**batch, use_cache=False).loss
-        s = poros_fx.stats(model)  # autograd keeps the loaded weights until the backward, and the ledger says so
-        assert s["eager_loads"] == 2 * loads and s["resident_base_bytes"] > 0
-        loss.backward()
-        del loss
-        gc.collect()
-        model(**batch, use_cache=False).loss.backward()
-    assert poros_fx.stats(model)["resident_base_bytes"] == 0
-    (message,) = poros_warnings(caught)  # once per model
-    assert "called without torch.compile" in message and "not streamed or recomputed" in message
+    with torch.no_grad():  # generation, debugging: counted, not refused
+        model(**batch, use_cache=False)
+    s = poros_fx.stats(model)
+    loads = s["eager_loads"]
+    assert loads == s["loads"] > 0 and s["resident_base_bytes"] == 0
+    with pytest.raises(poros_fx.PorosConfigError) as info:
+        model(**batch, use_cache=False)
+    message = str(info.value)
+    assert "called without torch.compile" in message and "backend='poros'" in message
+    assert "PorosSFTTrainer" in message and "@poros_fx.step" in message
+    gc.collect()
+    assert poros_fx.stats(model)["eager_loads"] == loads and poros_fx.stats(model)["resident_base_bytes"] == 0
 
 
-def test_a_step_partly_run_by_eager_is_booked_and_warned():
-    """The head under ``torch.compiler.disable``: Dynamo runs it eagerly between two poros graphs. Its
-    weight load is booked and warned about; the graphs' own loads and gathers are not warned about."""
+def test_a_step_partly_run_by_eager_is_refused():
+    """The head under ``torch.compiler.disable``: Dynamo would run it eagerly between two poros graphs,
+    loading its weight unstreamed; that load raises. The graphs' own loads and gathers are fine."""
     model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
     batch = demo_batches(1, seq=8)[0]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.compile(model, backend="poros")(**batch, use_cache=False).loss.backward()
-    assert not poros_warnings(caught)
+    torch.compile(model, backend="poros")(**batch, use_cache=False).loss.backward()
     assert poros_fx.stats(model)["eager_loads"] == 0
     torch._dynamo.reset()
 
     reference = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
     head = reference.get_base_model().lm_head
     head.forward = torch.compiler.disable(head.forward)  # this module instance only
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.compile(reference, backend="poros")(**batch, use_cache=False).loss.backward()
-    (message,) = poros_warnings(caught)
-    assert "Dynamo ran part of the step eagerly" in message
-    s = poros_fx.stats(reference)
-    assert s["eager_loads"] == 1 and s["resident_base_bytes"] == 0  # the head's weight, once, freed since
+    with pytest.raises(poros_fx.PorosConfigError, match="Dynamo ran part of the step eagerly"):
+        torch.compile(reference, backend="poros")(**batch, use_cache=False)
 
 
 # -- 7. varying sequence lengths ------------------------------------------------------------------------------

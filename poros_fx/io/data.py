@@ -1,16 +1,19 @@
-"""Training data for ``poros-fx train``: files or the built-in demo set, tokenized and packed to fixed-length rows.
+"""Training data for ``poros-fx train`` and ``FineTuner.train``: records tokenized and packed to fixed-length rows.
 
-Sources:
+Sources (``records.py`` reads them): ``demo`` (alias ``synthetic``): a small deterministic synthetic
+token set (arithmetic progressions modulo the vocabulary, so a model can learn it; needs no tokenizer);
+``.jsonl``, ``.json`` (a list or JSON Lines), ``.csv``, ``.parquet``, a ``Dataset.save_to_disk`` folder,
+or a dataset id in the local ``datasets`` cache. Each record has one of:
 
-* ``demo``: a small deterministic synthetic token set (arithmetic progressions modulo the vocabulary,
-  so a model can learn it); needs no tokenizer.
-* ``.jsonl`` (one JSON object per line), ``.json`` (a list of objects) or ``.csv`` (a header row), whose
-  records have one of:
-
-  - ``text``: trained on every token;
-  - ``prompt`` + ``response``: trained on the response only (prompt labels are -100);
-  - ``input_ids``: already tokenized (a list of ints; in a CSV a JSON list or space/comma separated
-    ints), trained on every token. Works without a tokenizer.
+- ``messages``: a list of ``{"role", "content"}`` turns, rendered with the tokenizer's chat template;
+  trained on the assistant turns (``train_on="all"``: every token). The assistant tokens come from the
+  template's ``{% generation %}`` markers when it has them, else from rendering the conversation up to
+  each assistant turn (the rendered prefix must tokenize to a prefix of the whole);
+- ``prompt`` + ``completion`` (or ``response``): trained on the completion only (``train_on="all"``:
+  on both); both strings, or both lists of chat turns (rendered as ``messages``);
+- ``text``: trained on every token;
+- ``input_ids`` (and optionally ``labels``, -100 where nothing is learned): already tokenized (a list of
+  ints; in a CSV a JSON list or space/comma separated ints). Works without a tokenizer.
 
 Every example becomes a token stream with its labels; the streams are either packed end to end and cut
 into rows of ``seq_len`` tokens (``pack=True``, the default) or truncated to ``seq_len`` one example per
@@ -20,7 +23,6 @@ position attends to a later one), so every batch has the same shape and the step
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import os
@@ -29,19 +31,18 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
-from ..errors import PorosError
+from .records import DataError, read_records
 
 if TYPE_CHECKING:
     import transformers
 
 IGNORE_INDEX = -100  # the label transformers' causal-LM loss skips
 DEMO = "demo"
-SUFFIXES = (".jsonl", ".json", ".csv")
+DEMO_NAMES = (DEMO, "synthetic")  # the built-in token set, by either name
+TRAIN_ON = ("completion", "all")  # what the loss sees: assistant turns / completions, or every token
 _DEMO_SEED = 0  # the demo set is the same whatever --seed (which only orders it)
 
-
-class DataError(PorosError, ValueError):
-    """Training data poros-fx cannot use: missing file, unknown format, a bad record, nothing to train on."""
+__all__ = ["DataError", "Example", "TokenDataset", "load_dataset", "batches", "eval_batches", "IGNORE_INDEX"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,7 @@ class TokenDataset:
     input_ids: torch.Tensor  # (rows, seq_len) int64
     labels: torch.Tensor  # (rows, seq_len) int64
     examples: int  # records read
-    kinds: tuple[str, ...]  # record kinds seen: "text", "prompt/response", "input_ids", "demo"
+    kinds: tuple[str, ...]  # record kinds seen: "messages", "prompt/completion", "text", "input_ids", "demo"
 
     @property
     def rows(self) -> int:
@@ -74,23 +75,26 @@ class TokenDataset:
 
 def load_dataset(source: str | os.PathLike, *, seq_len: int, vocab_size: int,
                  tokenizer: "transformers.PreTrainedTokenizerBase | None" = None, pack: bool = True,
-                 tokenizer_hint: str = "") -> TokenDataset:
-    """Read ``source`` (a data file or ``"demo"``), tokenize, check ids against ``vocab_size`` and make rows.
+                 tokenizer_hint: str = "", train_on: str = "completion", split: str | None = None) -> TokenDataset:
+    """Read ``source`` (``"demo"``, a file, a dataset folder or a cached dataset id; ``split`` for the last
+    two), tokenize, check ids against ``vocab_size`` and make rows. ``train_on``: ``"completion"`` (the
+    assistant turns, completions and responses) or ``"all"``.
 
     ``tokenizer_hint`` is appended to the error raised when text records come without a tokenizer (the
     CLI says where it looked for one).
     """
     if seq_len < 2:
         raise DataError(f"seq_len must be at least 2 (a causal LM learns from the next token), got {seq_len}")
-    if str(source) == DEMO:
+    if train_on not in TRAIN_ON:
+        raise DataError(f"train_on must be one of {', '.join(TRAIN_ON)}, got {train_on!r}")
+    if str(source) in DEMO_NAMES:
         examples = demo_examples(vocab_size)
         kinds: tuple[str, ...] = ("demo",)
         where = "the built-in demo set"
     else:
-        path = Path(source)
-        records = read_records(path)
-        examples, kinds = _tokenize(records, path, tokenizer, tokenizer_hint)
-        where = str(path)
+        records = read_records(source, split)
+        examples, kinds = _tokenize(records, tokenizer, tokenizer_hint, train_on)
+        where = str(source) if split is None else f"{source} [{split}]"
     _check_vocab(examples, vocab_size, where, tokenizer)
     pad_id = _pad_id(tokenizer)
     ids, labels = (pack_rows if pack else truncate_rows)(examples, seq_len, pad_id)
@@ -114,62 +118,13 @@ def demo_examples(vocab_size: int, count: int = 64) -> list[Example]:
     return out
 
 
-def read_records(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """``(where, record)`` for every record of a .jsonl / .json / .csv file; ``where`` is ``file:line``."""
-    if not path.exists():
-        raise DataError(f"{path}: no such file; pass a .jsonl, .json or .csv file, or 'demo' for the built-in set")
-    if path.is_dir():
-        raise DataError(f"{path} is a folder; pass a .jsonl, .json or .csv file")
-    suffix = path.suffix.lower()
-    if suffix not in SUFFIXES:
-        raise DataError(f"{path}: unknown data format {suffix or '(no extension)'!r}; use .jsonl (one JSON object per "
-                        f"line), .json (a list of objects) or .csv (with a header row)")
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # -sig: spreadsheets often write a BOM
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read it as UTF-8 text ({e})") from None
-    records: list[tuple[str, dict[str, Any]]] = []
-    if suffix == ".jsonl":
-        for number, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{number}: not valid JSON ({e.msg}); a .jsonl file has one JSON object per "
-                                f"line") from None
-            records.append((f"{path}:{number}", record))
-    elif suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(data, list):
-            raise DataError(f"{path}: a .json data file must hold a list of records ([{{\"text\": ...}}, ...]), "
-                            f"found a {type(data).__name__}; for one object per line use .jsonl")
-        records = [(f"{path}: record {i}", record) for i, record in enumerate(data)]
-    else:
-        reader = csv.DictReader(text.splitlines())
-        if not reader.fieldnames:
-            raise DataError(f"{path}: empty CSV file; it needs a header row (text, or prompt,response, or input_ids) "
-                            f"and one row per record")
-        for row in reader:
-            if not any((v or "").strip() for k, v in row.items() if k is not None):
-                continue
-            records.append((f"{path}:{reader.line_num}", {k: v for k, v in row.items() if k is not None}))
-    if not records:
-        raise DataError(f"{path}: no records (empty dataset); add at least one record with text, prompt+response or "
-                        f"input_ids")
-    return records
-
-
 # -- tokenizing -------------------------------------------------------------------------------------
 
-def _tokenize(records: list[tuple[str, dict[str, Any]]], path: Path,
-              tokenizer: "transformers.PreTrainedTokenizerBase | None",
-              tokenizer_hint: str) -> tuple[list[Example], tuple[str, ...]]:
+def _tokenize(records: list[tuple[str, dict[str, Any]]], tokenizer: "transformers.PreTrainedTokenizerBase | None",
+              tokenizer_hint: str, train_on: str) -> tuple[list[Example], tuple[str, ...]]:
     examples = []
     kinds: list[str] = []
+    everything = train_on == "all"
     for where, record in records:
         if not isinstance(record, dict):
             raise DataError(f"{where}: a record must be a JSON object, found {type(record).__name__}")
@@ -183,10 +138,18 @@ def _tokenize(records: list[tuple[str, dict[str, Any]]], path: Path,
         elif kind == "text":
             ids = _encode(tokenizer, _string(where, record, "text"), special=True) + _eos(tokenizer)
             examples.append(Example(ids, list(ids)))
+        elif kind == "messages":
+            examples.append(_chat(where, _turns(where, record["messages"], "messages"), [], tokenizer, everything))
         else:
-            prompt = _encode(tokenizer, _string(where, record, "prompt", allow_empty=True), special=True)
-            response = _encode(tokenizer, _string(where, record, "response"), special=False) + _eos(tokenizer)
-            examples.append(Example(prompt + response, [IGNORE_INDEX] * len(prompt) + response))
+            answer = "completion" if "completion" in record else "response"
+            if isinstance(record["prompt"], list) or isinstance(record[answer], list):
+                prompt = _turns(where, record["prompt"], "prompt")
+                examples.append(_chat(where, prompt, _turns(where, record[answer], answer), tokenizer, everything))
+            else:
+                prompt_ids = _encode(tokenizer, _string(where, record, "prompt", allow_empty=True), special=True)
+                answer_ids = _encode(tokenizer, _string(where, record, answer), special=False) + _eos(tokenizer)
+                labels = (prompt_ids if everything else [IGNORE_INDEX] * len(prompt_ids)) + answer_ids
+                examples.append(Example(prompt_ids + answer_ids, labels))
         if kind not in kinds:
             kinds.append(kind)
     return examples, tuple(kinds)
@@ -195,16 +158,83 @@ def _tokenize(records: list[tuple[str, dict[str, Any]]], path: Path,
 def _kind(where: str, record: dict[str, Any]) -> str:
     if "input_ids" in record:
         return "input_ids"
-    if "prompt" in record or "response" in record:
-        missing = [f for f in ("prompt", "response") if f not in record]
-        if missing:
-            raise DataError(f"{where}: record has {'prompt' if missing == ['response'] else 'response'} but no "
-                            f"{missing[0]!r} field; prompt/response records need both")
-        return "prompt/response"
+    if "messages" in record:
+        return "messages"
+    answers = [f for f in ("completion", "response") if f in record]
+    if "prompt" in record or answers:
+        if "prompt" not in record:
+            raise DataError(f"{where}: record has {answers[0]!r} but no 'prompt' field; prompt/completion records need "
+                            f"both")
+        if not answers:
+            raise DataError(f"{where}: record has 'prompt' but no 'completion' (or 'response') field; "
+                            f"prompt/completion records need both")
+        return "prompt/completion"
     if "text" in record:
         return "text"
-    raise DataError(f"{where}: record has none of the fields poros-fx trains on (found {sorted(record)}); give 'text', "
-                    f"or 'prompt' and 'response', or 'input_ids'")
+    raise DataError(f"{where}: record has none of the fields poros-fx trains on (found {sorted(record)}); give "
+                    f"'messages', 'prompt' and 'completion' (or 'response'), 'text', or 'input_ids'")
+
+
+def _turns(where: str, value: Any, field: str) -> list[dict[str, Any]]:
+    """A list of chat turns (``{"role": ..., "content": ...}``), checked."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field {field!r} must be a non-empty list of {{\"role\", \"content\"}} turns, "
+                        f"found {type(value).__name__ if value != [] else 'an empty list'}")
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str) or "content" not in turn:
+            raise DataError(f"{where}: field {field!r}, turn {i}: a turn is an object with a 'role' string and a "
+                            f"'content'; found {json.dumps(turn)[:80]}")
+    return value
+
+
+def _chat(where: str, prompt: list[dict[str, Any]], answer: list[dict[str, Any]], tokenizer: Any,
+          everything: bool) -> Example:
+    """A conversation through the chat template: ``prompt`` turns then ``answer`` turns (a ``messages``
+    record is all prompt). Trained on: every token (``everything``), the ``answer`` turns when there are
+    any, else the assistant turns."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{where}: chat turns need the tokenizer's chat template, and this tokenizer has none "
+                        f"(chat_template in tokenizer_config.json or chat_template.jinja); give 'text' or "
+                        f"'prompt'/'completion' strings instead")
+    turns = prompt + answer
+    ids = _render(where, tokenizer, turns)
+    if everything:
+        return Example(ids, list(ids))
+    trained = range(len(prompt), len(turns)) if answer else [i for i, t in enumerate(turns) if t["role"] == "assistant"]
+    if not trained:
+        raise DataError(f"{where}: field 'messages' has no assistant turn to train on (roles "
+                        f"{[t['role'] for t in turns]}); add one, or train on every token (--train-on all)")
+    mask = _assistant_mask(where, tokenizer, turns, ids, trained, answer_only=bool(answer))
+    return Example(ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)])
+
+
+def _render(where: str, tokenizer: Any, turns: list[dict[str, Any]], generation_prompt: bool = False) -> list[int]:
+    try:
+        out = tokenizer.apply_chat_template(turns, tokenize=True, add_generation_prompt=generation_prompt,
+                                            return_dict=True)
+    except Exception as e:  # jinja's errors (a template raising on a role it does not know, ...): the record
+        raise DataError(f"{where}: the chat template cannot render this conversation ({type(e).__name__}: "
+                        f"{str(e).strip().splitlines()[0] if str(e).strip() else 'no detail'})") from None
+    return list(out["input_ids"])
+
+
+def _assistant_mask(where: str, tokenizer: Any, turns: list[dict[str, Any]], ids: list[int], trained: Any,
+                    answer_only: bool) -> list[bool]:
+    """Which of ``ids`` belong to the ``trained`` turns."""
+    if not answer_only and "generation" in tokenizer.chat_template and "endgeneration" in tokenizer.chat_template:
+        out = tokenizer.apply_chat_template(turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        return [bool(m) for m in out["assistant_masks"]]
+    mask = [False] * len(ids)
+    for i in trained:
+        before = _render(where, tokenizer, turns[:i], generation_prompt=True) if i else []
+        through = _render(where, tokenizer, turns[:i + 1])
+        if before != through[:len(before)] or through != ids[:len(through)]:
+            raise DataError(f"{where}: turn {i}: the chat template renders the conversation so that a turn's tokens "
+                            f"cannot be told apart (its prefix does not tokenize to a prefix of the whole); add "
+                            f"{{% generation %}} markers to the template, or train on every token (--train-on all)")
+        for j in range(len(before), len(through)):
+            mask[j] = True
+    return mask
 
 
 def _string(where: str, record: dict[str, Any], field: str, allow_empty: bool = False) -> str:

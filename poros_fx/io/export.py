@@ -93,9 +93,12 @@ class ExportReport:
 
 def export_merged(adapter_dir: str | os.PathLike, base: str | os.PathLike, out: str | os.PathLike, *,
                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, overwrite: bool = False,
-                  progress: Callable[[int, int], None] | None = None) -> ExportReport:
+                  progress: Callable[[int, int], None] | None = None, any_base: bool = False) -> ExportReport:
     """Merge the LoRA adapter in ``adapter_dir`` into ``base`` (a folder or cached hub id) and write a bf16
-    model to ``out``. ``progress(done, total)`` is called after each tensor."""
+    model to ``out``. ``progress(done, total)`` is called after each tensor. The adapter must fit the base:
+    every LoRA pair's shape (always), and the base it names (``base_model_name_or_path``, when its config
+    has one) must be ``base`` (the same folder, the same hub id, or a folder of the same name), unless
+    ``any_base``."""
     started = time.perf_counter()
     adapter_dir = Path(adapter_dir)
     folder = resolve_folder(base)
@@ -103,6 +106,8 @@ def export_merged(adapter_dir: str | os.PathLike, base: str | os.PathLike, out: 
     _check_out(out, folder, adapter_dir, overwrite)
     specs = read_checkpoint_index(folder)
     pairs = read_adapter(adapter_dir, specs)
+    if not any_base:
+        check_base_name(adapter_dir, str(base), folder)
     shards = plan_shards(specs, max_shard_bytes)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -242,6 +247,23 @@ def read_adapter(adapter_dir: Path, specs: dict[str, TensorSpec]) -> dict[str, L
     if not pairs:
         raise ExportError(f"{weights_path}: no LoRA weights in the adapter")
     return pairs
+
+
+def check_base_name(adapter_dir: Path, base: str, folder: Path) -> None:
+    """Refuse a base other than the one the adapter names (``base_model_name_or_path``): matching shapes do not
+    make it the same model (a fine-tune of it, another size's sibling with equal widths)."""
+    try:
+        named = json.loads((adapter_dir / ADAPTER_CONFIG).read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return  # read_adapter has already said what is wrong with the config
+    if not named:
+        return
+    same = (named == base or Path(named).expanduser().resolve() == folder.resolve()
+            or Path(named).name.lower() == Path(base).name.lower() or Path(named).name.lower() == folder.name.lower())
+    if not same:
+        raise ExportError(f"{adapter_dir / ADAPTER_CONFIG}: the adapter was trained on {named!r} "
+                          f"(base_model_name_or_path), not {base!r}; pass that base, or --any-base to merge into this "
+                          f"one anyway (its shapes match)")
 
 
 def _pattern_key(patterns: dict[str, Any], module: str) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import sys
 import threading
 import warnings
 import weakref
@@ -80,7 +81,6 @@ class HostStore:
         default_factory=lambda: collections.deque(maxlen=SCHEDULES_KEPT))
     steps: "StepState" = dataclasses.field(default_factory=lambda: StepState())  # the step in flight
     split_warned: bool = False  # the backend warned that Dynamo split the step inside the layers
-    eager_warned: bool = False  # on_eager's warning was given (once per prepared model)
     timing: dict[str, Any] | None = None  # the last measured forward run (prefetch "auto"; runtime/depth.py)
     codegen: str = "eager"  # how compiled regions run: "inductor" | "eager" (prepare's codegen)
     regions: Any = None  # compiler.regions.RegionTable of the decoder layers (None: layers traced inline)
@@ -193,25 +193,37 @@ class HostStore:
     def on_eager(self, op: str, loaded: torch.Tensor | None) -> None:
         """``op`` (``poros::load`` / ``poros::gather``) ran as the op's own implementation, not through a
         graph's runtime: a prepared model called without ``torch.compile``, or code Dynamo ran eagerly (a
-        graph break, ``torch.compiler.disable``, the recompile limit). A loaded tensor is booked in the
-        ledger until it is freed; the first such call outside the poros graphs with grad enabled warns
-        (once per model): autograd keeps what it loads on the device until the backward."""
+        graph break, ``torch.compiler.disable``, the recompile limit). A forward run that way with grad enabled
+        is refused (``PorosConfigError``): autograd would keep what it loads on the device until the backward,
+        unstreamed. Under ``torch.no_grad()`` (evaluation, generation), and for a read outside any module's
+        forward (peft inspecting a layer's weight while it attaches an adapter), the loaded tensor is booked
+        in the ledger until it is freed."""
+        if not self.steps.running and torch.is_grad_enabled() and _in_module_call():
+            why = ("the prepared model was called without torch.compile(model, backend='poros')" if not self.schedules
+                   else "Dynamo ran part of the step eagerly (a graph break, torch.compiler.disable, or its recompile "
+                   "limit: TORCH_LOGS=graph_breaks,recompiles says which), or the prepared model itself was called "
+                   "instead of its torch.compile wrapper")
+            raise PorosConfigError(
+                f"{op} ran outside a poros graph with grad enabled: {why}. A training forward must stream the base: "
+                "call torch.compile(model, backend='poros') and train through that, or use poros_fx.hf.PorosTrainer, "
+                "poros_fx.hf.PorosSFTTrainer (TRL) or @poros_fx.step; a plain transformers/TRL Trainer on a prepared "
+                "model loads the base eagerly. Under torch.no_grad() (evaluation, generation) eager calls are fine.")
         if loaded is not None:
             size = nbytes(loaded)
             self.ledger.on_eager_load(size)
             weakref.finalize(loaded, self.ledger.on_evict, size)
-        if self.steps.running or not torch.is_grad_enabled() or self.eager_warned:
-            return  # inside a graph run: a gather the graph calls itself
-        self.eager_warned = True
-        why = ("the prepared model was called without torch.compile(model, backend='poros')" if not self.schedules
-               else "Dynamo ran part of the step eagerly (a graph break, torch.compiler.disable, or its recompile "
-               "limit: TORCH_LOGS=graph_breaks,recompiles says which), or the prepared model itself was called "
-               "instead of its torch.compile wrapper")
-        warnings.warn(f"{op} ran outside a poros graph (eager) with grad enabled: {why}. Base tensors loaded outside "
-                      "the poros graphs are not streamed or recomputed: autograd keeps them on the device until the "
-                      "backward (poros_fx.stats(model)['eager_loads'] counts them). Warned once per prepared model; "
-                      "under torch.no_grad() (evaluation, generation) eager calls are fine and not warned about.",
-                      stacklevel=2)
+
+
+def _in_module_call() -> bool:
+    """Whether an ``nn.Module`` call (a forward) is on the Python stack: a base tensor read there feeds the
+    forward's autograd graph; one read by setup code outside any forward does not."""
+    call = torch.nn.Module._call_impl.__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is call:
+            return True
+        frame = frame.f_back
+    return False
 
 
 @dataclasses.dataclass(eq=False)

@@ -30,7 +30,7 @@ from rich.table import Table
 from .sources import load_config, model_source, read_data, set_layers
 from .terminal import StepLog, console, fail
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="poros-fx: stream a frozen LoRA/QLoRA base "
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="poros-fx: stream a frozen LoRA/QLoRA base "
                   "through the GPU block by block, bit-exact, as a torch.compile backend.")
 
 
@@ -190,8 +190,7 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
     try:
         family = resolve(config.model_type)
     except UnsupportedArchitectureError as err:
-        console.print(f"[red]{err}[/red]")
-        raise typer.Exit(2)
+        raise fail(str(err))
     names, sizes = block_bytes(config, quantization, block_size, family)
     console.print(f"{model_or_config}: {config.model_type} ({family.status}), {quantization}, "
                   f"block_size {block_size}")
@@ -298,31 +297,64 @@ def dump(model_or_config: str = typer.Argument(..., help="built-in shape, config
 
 # -- train ------------------------------------------------------------------------------------------
 
+DATA_HELP = ("a .jsonl, .json, .csv or .parquet file, a Dataset.save_to_disk folder, a dataset id in the local "
+             "datasets cache (--split), or 'demo' (alias 'synthetic') for the built-in token set; records with "
+             "messages, prompt + completion (or response), text, or input_ids")
+
+
+def _positive_epochs(value: Optional[float]) -> Optional[float]:
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"--epochs must be above 0, got {value}")
+    return value
+
+
 @app.command()
 def train(ctx: typer.Context,
           model: Optional[str] = typer.Argument(None, help="model folder (save_pretrained layout) or cached hub id"),
-          data: Optional[str] = typer.Option(None, help="a .jsonl/.json/.csv file (text, prompt+response or input_ids "
-                                             "records), or 'demo' for the built-in token set"),
-          out: Optional[Path] = typer.Option(None, help="folder for the PEFT adapter (and the state --resume reads)"),
+          model_option: Optional[str] = typer.Option(None, "--model", help="the same as MODEL; with --resume, where "
+                                                     "the run's model is now (checked to be the same checkpoint)"),
+          data: Optional[str] = typer.Option(None, help=DATA_HELP),
+          out: Optional[Path] = typer.Option(None, help="folder for the PEFT adapter, its tokenizer, run.toml, "
+                                             "metrics.jsonl and the state --resume reads; refused when it holds "
+                                             "anything, unless --overwrite or --resume"),
           from_config: Optional[str] = typer.Option(None, "--from-config", help="random weights from a built-in shape "
                                                     "or a config.json instead of MODEL (smoke tests)"),
+          config: Optional[Path] = typer.Option(None, "--config", help="a TOML file of these options (run.toml, "
+                                                "as every run writes one); the command line overrides it"),
           resume: Optional[Path] = typer.Option(None, "--resume", metavar="OUT", help="continue the run that wrote OUT "
                                                 "(adapter, optimizer, RNG, step and data position; its settings "
                                                 "too): bit-exact with a run that was never stopped. --steps N "
-                                                "extends it"),
+                                                "extends it; --model and --data follow moved files"),
+          overwrite: bool = typer.Option(False, help="replace the run in a non-empty --out (its adapter, state, "
+                                         "checkpoints and metrics)"),
           save_every: Optional[int] = typer.Option(None, min=1, help="also save adapter + resume state every N steps "
                                                    "(always at the end, and on Ctrl-C)"),
+          save_total_limit: Optional[int] = typer.Option(None, min=0, help="with --save-every, also keep the newest N "
+                                                         "saves as OUT/checkpoint-STEP folders"),
           quantization: str = typer.Option("nf4", help="nf4 (QLoRA base) or bf16"),
           lora_r: int = typer.Option(16, min=1), lora_alpha: float = typer.Option(32.0, min=0.0),
           lora_dropout: float = typer.Option(0.05, min=0.0, max=1.0),
           target_modules: Optional[list[str]] = typer.Option(None, help="LoRA targets, repeated or comma-separated "
                                                              "(default: every linear of a decoder layer)"),
           steps: Optional[int] = typer.Option(None, min=1, help="optimizer steps (default: --epochs 1)"),
-          epochs: Optional[float] = typer.Option(None, min=0.0, help="passes over the data (rounded up to whole steps)"),
-          lr: float = typer.Option(2e-4, min=0.0), weight_decay: float = typer.Option(0.0, min=0.0),
+          epochs: Optional[float] = typer.Option(None, callback=_positive_epochs, help="passes over the data "
+                                                 "(above 0; rounded up to whole steps)"),
+          lr: float = typer.Option(2e-4, min=0.0, help="peak learning rate (AdamW)"),
+          weight_decay: float = typer.Option(0.0, min=0.0),
+          warmup_steps: int = typer.Option(0, min=0, help="steps of linear warmup from 0 to --lr"),
+          schedule: str = typer.Option("constant", help="learning rate after warmup: constant, linear or cosine "
+                                       "(decaying to 0 at the last step)"),
+          max_grad_norm: Optional[float] = typer.Option(None, min=0.0, help="clip the adapter's gradients to this total "
+                                                        "norm (default: no clipping)"),
           seq_len: int = typer.Option(512, min=2, help="tokens per row"),
           pack: bool = typer.Option(True, help="pack examples end to end into rows (--no-pack: one example per row, "
                                     "truncated)"),
+          train_on: str = typer.Option("completion", help="completion: the assistant turns, completions and responses; "
+                                       "all: every token"),
+          split: Optional[str] = typer.Option(None, help="split of a dataset folder or cached id (default: train)"),
+          eval_data: Optional[str] = typer.Option(None, help="data to evaluate on during training (as --data)"),
+          eval_every: Optional[int] = typer.Option(None, min=1, help="steps between evaluations (default: at the "
+                                                   "end)"),
           batch_size: int = typer.Option(1, min=1, help="rows per micro-batch"),
           accumulate: int = typer.Option(1, min=1, help="micro-batches per optimizer step"),
           block_size: int = typer.Option(1, min=1), prefetch: str = PREFETCH_OPTION,
@@ -334,38 +366,55 @@ def train(ctx: typer.Context,
                                            "while it is loaded (--no-block-major: one micro-batch after the other; "
                                            "the result is the same bits)"),
           seed: int = typer.Option(0, help="seeds the LoRA init, dropout, data order (and --from-config weights)"),
+          metrics: bool = typer.Option(True, help="write OUT/metrics.jsonl (and TensorBoard events when tensorboard is "
+                                       "installed)"),
           log_every: Optional[int] = typer.Option(None, min=1, help="steps between log lines when not on a terminal "
                                                   "(default: about 10 lines)")) -> None:
     """Train a LoRA adapter on a streamed base (NF4 or bf16) and write it as a standard PEFT adapter."""
-    from .run_state import RESUMABLE, SETTINGS, resume_settings
+    from .run_config import read_run_config
+    from .run_state import claim_out, resume_settings
     from .train_run import TrainOptions
     from .train_run import train as train_run
 
-    given = {name: value for name, value in locals().items() if name in (*SETTINGS, *RESUMABLE, "target_modules",
-                                                                         "epochs")}
+    if model is not None and model_option is not None:
+        raise fail("give the model once: MODEL or --model, not both")
+    values = {name: value for name, value in locals().items() if name in _OPTION_NAMES}
+    values["model"] = model_option if model_option is not None else model
+
+    def typed(name: str) -> bool:  # written on the command line, not a default (typer vendors click: compare by name)
+        names = ("model", "model_option") if name == "model" else (name,)
+        return any(getattr(ctx.get_parameter_source(n), "name", None) in ("COMMANDLINE", "ENVIRONMENT") for n in names)
+
+    if config is not None:
+        if resume is not None:
+            raise fail("--resume continues a run with its own settings; leave --config out")
+        for name, value in read_run_config(config, _OPTION_NAMES).items():
+            if not typed(name):
+                values[name] = Path(value) if name == "out" else value
     saved: Optional[tuple[dict, dict]] = None
     if resume is not None:
-        def typed(name: str) -> bool:  # given on the command line, not a default (typer vendors click: compare by name)
-            return getattr(ctx.get_parameter_source(name), "name", None) in ("COMMANDLINE", "ENVIRONMENT")
-
-        run, meta, tensors = resume_settings(given, typed, resume)
+        run, meta, tensors = resume_settings(values, typed, resume)
         saved = (meta, tensors)
-        opts = TrainOptions(**{name: run[name] for name in SETTINGS}, steps=run["steps"], epochs=run.get("epochs"),
-                            log_every=run["log_every"], save_every=run["save_every"],
-                            memory_budget=run.get("memory_budget"), block_major=run.get("block_major", True),
-                            out=Path(run["out"]) if run.get("out") is not None else resume)
-    else:
-        if data is None or out is None:
-            raise fail("give --data FILE|demo and --out FOLDER (or --resume OUT to continue a run)")
-        if (model is None) == (from_config is None):
-            raise fail("give either MODEL (a folder or cached hub id) or --from-config NAME_OR_CONFIG, not both or "
-                       "neither")
-        opts = TrainOptions(**given)
-    if opts.steps is not None and opts.epochs is not None:
-        raise fail("give --steps or --epochs, not both")
-    if opts.quantization not in ("nf4", "bf16"):
-        raise fail(f"--quantization must be nf4 or bf16, got {opts.quantization!r}")
-    train_run(opts, resume, saved)
+        keep = {name: run[name] for name in _OPTION_NAMES if name in run and name != "out"}
+        values = {**values, **keep, "out": Path(run["out"]) if run.get("out") is not None else resume}
+    elif values["data"] is None or values["out"] is None:
+        raise fail("give --data DATA and --out FOLDER (or --resume OUT to continue a run)")
+    elif (values["model"] is None) == (values["from_config"] is None):
+        raise fail("give either MODEL (a folder or cached hub id) or --from-config NAME_OR_CONFIG, not both or "
+                   "neither")
+    opts = TrainOptions(**values)
+    opts.check()
+    if resume is None or opts.out.resolve() != resume.resolve():
+        claim_out(opts.out, overwrite)
+    train_run(opts, resume=resume, saved=saved)
+
+
+# the train command's options that make up a run (train_run.TrainOptions); the rest steer the command itself
+_OPTION_NAMES = ("model", "from_config", "data", "out", "quantization", "lora_r", "lora_alpha", "lora_dropout",
+                 "target_modules", "steps", "epochs", "lr", "weight_decay", "seq_len", "pack", "batch_size",
+                 "accumulate", "block_size", "prefetch", "codegen", "device", "seed", "log_every", "save_every",
+                 "memory_budget", "block_major", "warmup_steps", "schedule", "max_grad_norm", "eval_data", "eval_every",
+                 "save_total_limit", "train_on", "split", "metrics")
 
 
 # -- eval -------------------------------------------------------------------------------------------
@@ -373,7 +422,11 @@ def train(ctx: typer.Context,
 @app.command("eval")
 def eval_command(model: str = typer.Argument(..., help="model folder or cached hub id (its checkpoint), or a built-in "
                                              "shape, config.json or config-only folder (random weights, --seed)"),
-                 data: str = typer.Option(..., help="a .jsonl/.json/.csv file, or 'demo' (records as for train)"),
+                 data: str = typer.Option(..., help=DATA_HELP),
+                 split: Optional[str] = typer.Option(None, help="split of a dataset folder or cached id (default: "
+                                                     "train)"),
+                 train_on: str = typer.Option("completion", help="tokens scored: completion (assistant turns, "
+                                              "completions) or all"),
                  adapter: Optional[Path] = typer.Option(None, help="a PEFT adapter folder (e.g. `poros-fx train --out`); "
                                                         "default: the base alone"),
                  json_path: Optional[Path] = typer.Option(None, "--json", help="also write the result here as JSON"),
@@ -401,7 +454,7 @@ def eval_command(model: str = typer.Argument(..., help="model folder or cached h
     try:
         checkpoint, folder = model_source(model)
         config = load_config(str(folder) if checkpoint else model)
-        dataset = read_data(data, config, folder, model, seq_len, pack)
+        dataset = read_data(data, config, folder, model, seq_len, pack, train_on=train_on, split=split)
         common = {"quantization": quantization, "device": device, "block_size": block_size, "prefetch": prefetch,
                   "codegen": codegen, "adapter": adapter, "trainable": False}
         weights = f"{folder}" if checkpoint else f"random-init weights (seed {seed}) from {model}"
@@ -455,7 +508,9 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
            base: str = typer.Option(..., help="the base model: folder (save_pretrained layout) or cached hub id"),
            out: Path = typer.Option(..., "-o", "--out", help="new folder for the merged bf16 model"),
            max_shard_size: str = typer.Option("5GB", help="largest shard (cut at decoder-layer boundaries)"),
-           overwrite: bool = typer.Option(False, help="write into a non-empty OUT, replacing its model files")) -> None:
+           overwrite: bool = typer.Option(False, help="write into a non-empty OUT, replacing its model files"),
+           any_base: bool = typer.Option(False, "--any-base", help="merge even when the adapter names another base "
+                                         "(base_model_name_or_path); the shapes are checked either way")) -> None:
     """Merge a LoRA adapter into a bf16 copy of its base, tensor by tensor (never the whole model in memory)."""
     from ..errors import PorosError
     from ..io.export import export_merged
@@ -470,9 +525,11 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
                           console=console) as bar:
                 task = bar.add_task("merge", total=None)
                 report = export_merged(adapter_dir, base, out, max_shard_bytes=limit, overwrite=overwrite,
-                                       progress=lambda done, total: bar.update(task, completed=done, total=total))
+                                       progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                       any_base=any_base)
         else:
-            report = export_merged(adapter_dir, base, out, max_shard_bytes=limit, overwrite=overwrite)
+            report = export_merged(adapter_dir, base, out, max_shard_bytes=limit, overwrite=overwrite,
+                                   any_base=any_base)
     except PorosError as e:
         raise fail(str(e))
     console.print(f"merged {report.merged_modules} LoRA modules into {report.tensors} bf16 tensors: "
@@ -538,7 +595,29 @@ def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: t
 
 
 def main() -> None:
-    app()
+    """The ``poros-fx`` script: every error is one ``error:`` line on stderr, exit code 2 for bad input (130 for
+    Ctrl-C); click's usage errors and poros-fx's own errors alike."""
+    from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer vendors click: its exceptions
+
+    from ..errors import PorosError
+    from .train_run import Interrupted
+
+    try:
+        code = app(standalone_mode=False)
+    except NoArgsIsHelpError as e:  # `poros-fx` alone: the help, as --help prints it
+        print(e.ctx.get_help() if e.ctx is not None else e.format_message())
+        raise SystemExit(0) from None
+    except UsageError as e:
+        hint = f" (poros-fx {e.ctx.command_path.split(' ', 1)[1]} --help)" if e.ctx is not None and " " in \
+            e.ctx.command_path else " (poros-fx --help)"
+        raise SystemExit(fail(e.format_message() + hint, code=2).exit_code) from None
+    except typer.Abort:
+        raise SystemExit(fail("aborted", code=130).exit_code) from None
+    except Interrupted as e:
+        raise SystemExit(fail(str(e), code=130).exit_code) from None
+    except PorosError as e:
+        raise SystemExit(fail(str(e), code=2).exit_code) from None
+    raise SystemExit(code or 0)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import shlex
@@ -311,6 +312,10 @@ def worker(args: argparse.Namespace) -> None:
         traceback.print_exc()  # into the row's log
     records: list[Any] = [None] * world
     dist.all_gather_object(records, record)
+    # the DDP module's reducer holds the process group: it goes first, while the group can still be torn
+    # down (freed after destroy_process_group, its gloo threads wait for a peer that is gone)
+    model = step_model = optimizer = call_context = None
+    gc.collect()
     dist.destroy_process_group()
     if rank == 0:
         args.row_json.write_text(json.dumps(summarize(records, args), indent=1))

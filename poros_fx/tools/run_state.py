@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
+from ..errors import PorosConfigError
 from .sources import as_path, split_targets
-from .terminal import fail
 
 if TYPE_CHECKING:
     from ..io.data import TokenDataset
@@ -31,14 +31,22 @@ if TYPE_CHECKING:
 STATE_FILE = "poros_state.safetensors"  # what `train --resume` continues from (written next to the adapter)
 _STATE_KEY = "poros_fx_train_state"
 _STATE_VERSION = 1
-# what a resumed run may change: neither touches a bit of the result (the data order does not depend on the
-# step count, and streaming is exact whatever the block size and prefetch)
+# what a resumed run may change: none touches a bit of the result (the data order does not depend on the
+# step count, streaming is exact whatever the block size and prefetch, evaluation draws no random numbers)
 RESUMABLE = ("steps", "epochs", "block_size", "prefetch", "memory_budget", "block_major", "log_every", "save_every",
-             "out")
+             "out", "eval_data", "eval_every", "save_total_limit", "metrics")
+# may be given again where the files moved: the same model (config and tensor layout) and the same rows
+# (tokenized), checked by hash
+MOVABLE = ("model", "data")
 # the run's settings, kept in the state so that `--resume OUT` needs nothing else
 SETTINGS = ("model", "from_config", "data", "quantization", "lora_r", "lora_alpha", "lora_dropout", "target_modules",
             "lr", "weight_decay", "seq_len", "pack", "batch_size", "accumulate", "codegen", "device", "seed",
-            "block_size", "prefetch")
+            "block_size", "prefetch", "warmup_steps", "schedule", "max_grad_norm", "train_on", "split")
+# files a run writes into its folder (what --overwrite replaces; nothing else there is touched)
+RUN_FILES = ("adapter_model.safetensors", STATE_FILE, "metrics.jsonl", "run.toml",
+             "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json",
+             "merges.txt", "added_tokens.json", "tokenizer.model")
+CHECKPOINT_PREFIX = "checkpoint-"
 
 Named = list[tuple[str, nn.Parameter]]  # the trainable parameters with their names, in the model's order
 
@@ -49,6 +57,54 @@ def fingerprint(dataset: "TokenDataset") -> str:
     for t in (dataset.input_ids, dataset.labels):
         digest.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def model_fingerprint(folder: Path) -> str:
+    """sha256 of a checkpoint folder's config.json and its safetensors headers (every tensor's name, dtype,
+    shape and offsets; not the weights' bytes, which would take minutes at 32B): a moved model given again
+    on resume is checked to be the same checkpoint."""
+    digest = hashlib.sha256()
+    if (folder / "config.json").is_file():
+        digest.update((folder / "config.json").read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        with path.open("rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(min(size, 100_000_000)))
+    return digest.hexdigest()
+
+
+def checkpoint_folder(out: Path, step: int) -> Path:
+    """Where ``save_every`` with ``save_total_limit`` keeps the save of ``step``."""
+    return out / f"{CHECKPOINT_PREFIX}{step}"
+
+
+def keep_checkpoints(out: Path, limit: int) -> None:
+    """Remove all but the newest ``limit`` ``checkpoint-STEP`` folders of ``out``."""
+    found = sorted((int(p.name[len(CHECKPOINT_PREFIX):]), p) for p in out.glob(f"{CHECKPOINT_PREFIX}*")
+                   if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit())
+    for _, path in found[:max(0, len(found) - limit)]:
+        shutil.rmtree(path)
+
+
+def claim_out(out: Path, overwrite: bool) -> None:
+    """Make ``out`` the new run's folder: refused when it holds anything, unless ``overwrite`` (then the files a run
+    writes are removed, nothing else)."""
+    if out.exists() and not out.is_dir():
+        raise PorosConfigError(f"--out {out} exists and is not a folder")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not overwrite:
+        what = "a poros-fx run (adapter and resume state)" if (out / STATE_FILE).is_file() else "files"
+        raise PorosConfigError(f"--out {out} exists and holds {what}; pass --overwrite to replace it, --resume {out} "
+                               f"to continue that run, or pick a new folder")
+    if (out / "adapter_config.json").is_file():  # peft's README.md (model card) goes with its adapter
+        for name in ("adapter_config.json", "README.md"):
+            (out / name).unlink(missing_ok=True)
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    for folder in [*out.glob(f"{CHECKPOINT_PREFIX}*"), out / "tensorboard"]:
+        if folder.is_dir():
+            shutil.rmtree(folder)
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -63,7 +119,8 @@ def _set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None
     torch.set_rng_state(state["cpu"])
     if device.type == "cuda":
         if "cuda" not in state:
-            raise fail("the saved run has no CUDA generator state (it ran on the CPU); resume it with --device cpu")
+            raise PorosConfigError("the saved run has no CUDA generator state (it ran on the CPU); resume it with --device "
+                                   "cpu")
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
@@ -107,9 +164,9 @@ def load_train_state(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
 
     path = folder / STATE_FILE
     if not folder.is_dir():
-        raise fail(f"--resume {folder}: no such folder (give the --out folder of the run to continue)")
+        raise PorosConfigError(f"--resume {folder}: no such folder (give the --out folder of the run to continue)")
     if not path.is_file():
-        raise fail(f"{folder} has no {STATE_FILE}, so it cannot be resumed: it was not written by `poros-fx train` "
+        raise PorosConfigError(f"{folder} has no {STATE_FILE}, so it cannot be resumed: it was not written by `poros-fx train` "
                    f"(or by a version before --resume); start a new run with --out")
     try:
         read_safetensors_header(path)
@@ -117,12 +174,12 @@ def load_train_state(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
             meta = json.loads((f.metadata() or {})[_STATE_KEY])
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
     except LoaderError as e:
-        raise fail(str(e))
+        raise PorosConfigError(str(e)) from None
     except Exception as e:  # safetensors' own errors, a missing or broken metadata entry: the file, in one line
-        raise fail(f"{path}: not a readable poros-fx train state ({type(e).__name__}: {e}); the run cannot be "
-                   f"resumed from it")
+        raise PorosConfigError(f"{path}: not a readable poros-fx train state ({type(e).__name__}: {e}); the run cannot be "
+                               f"resumed from it") from None
     if meta.get("version") != _STATE_VERSION:
-        raise fail(f"{path}: train state version {meta.get('version')!r}, this poros-fx reads {_STATE_VERSION}")
+        raise PorosConfigError(f"{path}: train state version {meta.get('version')!r}, this poros-fx reads {_STATE_VERSION}")
     return meta, tensors
 
 
@@ -130,8 +187,9 @@ def resume_settings(given: dict[str, Any], typed: Callable[[str], bool], folder:
                     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
     """``(run, meta, tensors)``: the saved run's settings with what this command line may change applied
     (``given``: the train command's options; ``typed(name)``: whether the user wrote that one), and the
-    state they come from. An option that would change the result (model, data, LoRA, optimizer,
-    precision, device, seed) is refused by name."""
+    state they come from. A moved model or data file may be given again (``MOVABLE``: checked by hash
+    when the run is set up); an option that would change the result (LoRA, optimizer, schedule, precision,
+    device, seed) is refused by name."""
     meta, tensors = load_train_state(folder)
     run = dict(meta["run"])
     conflicts = []
@@ -141,8 +199,11 @@ def resume_settings(given: dict[str, Any], typed: Callable[[str], bool], folder:
         if name in RESUMABLE:
             run[name] = value
             continue
+        if name in MOVABLE:
+            run[name] = as_path(value)
+            continue
         saved = run.get(name)
-        if name in ("model", "from_config", "data"):
+        if name == "from_config":
             value = as_path(value)
         elif name == "target_modules":
             value = split_targets(value) or None
@@ -151,12 +212,37 @@ def resume_settings(given: dict[str, Any], typed: Callable[[str], bool], folder:
         if value != saved:
             conflicts.append(f"--{name.replace('_', '-')} {value} (the run has {saved})")
     if conflicts:
-        raise fail(f"--resume {folder} continues a run with its own settings, and these would change its result: "
-                   f"{'; '.join(conflicts)}. Leave them out (only --steps/--epochs, --block-size, --prefetch, "
-                   f"--memory-budget, --block-major, --log-every, --save-every and --out may change), or start a new run")
+        raise PorosConfigError(
+            f"--resume {folder} continues a run with its own settings, and these would change its result: "
+            f"{'; '.join(conflicts)}. Leave them out (a moved model or data file may be given again with --model / "
+            f"--data; --steps/--epochs, --block-size, --prefetch, --memory-budget, --block-major, --eval-data, "
+            f"--eval-every, --log-every, --save-every, --save-total-limit and --out may change), or start a new run")
     if given.get("epochs") is not None and typed("epochs"):
         run["steps"] = None  # recomputed from the data below
+    if run.get("schedule", "constant") != "constant" and (typed("steps") or typed("epochs")) \
+            and run.get("steps") != meta["steps"]:
+        raise PorosConfigError(f"--resume {folder}: the run's {run['schedule']} schedule decays over its {meta['steps']} "
+                               f"steps, so the steps it took used those learning rates; extending it would not be "
+                               f"the run of {run.get('steps') or 'N'} steps. Resume it to its own end, or start a new "
+                               f"run")
+    _follow_model(run, folder)
     return run, meta, tensors
+
+
+def _follow_model(run: dict[str, Any], folder: Path) -> None:
+    """The run's model folder, where it is now: the saved path, or the one given again (the same checkpoint, by
+    ``model_fingerprint``)."""
+    model = run.get("model")
+    if model is None or not Path(model).is_absolute():  # a built-in shape, a config, a hub id: read as a name
+        return
+    path = Path(model)
+    if not path.is_dir():
+        raise PorosConfigError(f"--resume {folder}: the run's model folder {path} is gone (moved?); give it again "
+                               f"with --model NEW_PATH (checked to be the same checkpoint)")
+    saved = run.get("model_sha256")
+    if saved is not None and model_fingerprint(path) != saved:
+        raise PorosConfigError(f"--resume {folder}: {path} is not the checkpoint the run trained on (its config or "
+                               f"tensor layout differ); give the run's model with --model")
 
 
 def check_resumable(meta: dict[str, Any], data_sha256: str, steps: int, folder: Path, source: str) -> int:
@@ -164,11 +250,11 @@ def check_resumable(meta: dict[str, Any], data_sha256: str, steps: int, folder: 
     ``fingerprint``) and ``steps`` to go beyond it."""
     done = meta["step"]
     if meta["data_sha256"] != data_sha256:
-        raise fail(f"--resume {folder}: the data ({source}) is not what the run trained on (its rows "
-                   f"changed since); a resumed run must read the same data")
+        raise PorosConfigError(f"--resume {folder}: the data ({source}) is not what the run trained on (its rows "
+                               f"differ); a resumed run reads the same data (a moved file: give it with --data)")
     if done >= steps:
-        raise fail(f"the run in {folder} has finished its {done} steps; pass --steps N (N > {done}) to train "
-                   f"it further")
+        raise PorosConfigError(f"the run in {folder} has finished its {done} steps; pass --steps N (N > {done}) to "
+                               f"train it further")
     return done
 
 
@@ -178,13 +264,13 @@ def restore(meta: dict[str, Any], tensors: dict[str, torch.Tensor], named: Named
     the losses of the steps done."""
     names = [name for name, _ in named]
     if names != meta["params"]:
-        raise fail(f"{path}: the saved adapter has {len(meta['params'])} parameters, the model built for the resumed "
+        raise PorosConfigError(f"{path}: the saved adapter has {len(meta['params'])} parameters, the model built for the resumed "
                    f"run {len(names)} (not the same model or LoRA settings?)")
     with torch.no_grad():
         for name, p in named:
             saved = tensors[f"adapter/{name}"]
             if saved.shape != p.shape or saved.dtype != p.dtype:
-                raise fail(f"{path}: {name} is {saved.dtype} {list(saved.shape)} there, {p.dtype} {list(p.shape)} in "
+                raise PorosConfigError(f"{path}: {name} is {saved.dtype} {list(saved.shape)} there, {p.dtype} {list(p.shape)} in "
                            f"the model built for the resumed run")
             p.copy_(saved)
     state: dict[int, dict] = {}

@@ -11,9 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-import typer
-
-from .terminal import fail
+from ..errors import PorosConfigError
 
 if TYPE_CHECKING:
     import transformers
@@ -39,12 +37,12 @@ def load_config(model_or_config: str) -> "transformers.PretrainedConfig":
         return transformers.AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
     if path.is_dir():
         if not (path / "config.json").exists():
-            raise typer.BadParameter(f"{path} has no config.json")
+            raise PorosConfigError(f"{path} has no config.json")
         return transformers.AutoConfig.from_pretrained(path)
     try:
         return transformers.AutoConfig.from_pretrained(model_or_config, local_files_only=True)
     except OSError:
-        raise typer.BadParameter(
+        raise PorosConfigError(
             f"{model_or_config!r} is not a built-in shape ({', '.join(BUILTIN)}), a config.json, a folder, or a "
             "model in the local huggingface cache; poros-fx downloads nothing here") from None
 
@@ -99,17 +97,19 @@ def as_path(value: Optional[str]) -> Optional[str]:
 
 
 def read_data(data: str, config: "transformers.PretrainedConfig", folder: Optional[Path], shape: Optional[str],
-              seq_len: int, pack: bool) -> "TokenDataset":
-    """The dataset of ``data``, tokenized with the tokenizer saved in ``folder`` (when there is one)."""
+              seq_len: int, pack: bool, train_on: str = "completion", split: Optional[str] = None,
+              tokenizer: "Optional[transformers.PreTrainedTokenizerBase]" = None) -> "TokenDataset":
+    """The dataset of ``data``, tokenized with ``tokenizer`` (default: the one saved in ``folder``, if any)."""
     from ..io.data import load_dataset
 
-    tokenizer = _tokenizer(folder)
+    if tokenizer is None:
+        tokenizer = tokenizer_of(folder)
     hint = f" in {folder}" if folder is not None else f" for the built-in shape {shape}"
     return load_dataset(data, seq_len=seq_len, vocab_size=config.vocab_size, tokenizer=tokenizer, pack=pack,
-                        tokenizer_hint=hint)
+                        tokenizer_hint=hint, train_on=train_on, split=split)
 
 
-def _tokenizer(folder: Optional[Path]) -> "Optional[transformers.PreTrainedTokenizerBase]":
+def tokenizer_of(folder: Optional[Path]) -> "Optional[transformers.PreTrainedTokenizerBase]":
     """The tokenizer saved in ``folder``, or None when the folder has no tokenizer files."""
     if folder is None or not any((folder / name).is_file() for name in _TOKENIZER_FILES):
         return None
@@ -118,7 +118,14 @@ def _tokenizer(folder: Optional[Path]) -> "Optional[transformers.PreTrainedToken
     try:
         return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise fail(f"{folder} has tokenizer files but transformers cannot load them ({e}); fix or remove them")
+        raise PorosConfigError(f"{folder} has tokenizer files but transformers cannot load them ({e}); fix or remove "
+                               f"them") from None
+
+
+def save_tokenizer(tokenizer: "Optional[transformers.PreTrainedTokenizerBase]", folder: Path) -> None:
+    """The tokenizer's files next to an adapter (so the folder is self-contained for inference)."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
 
 
 def split_targets(values: Optional[list[str]]) -> list[str]:

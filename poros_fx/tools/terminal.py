@@ -7,23 +7,28 @@ Only typer and rich are imported here: ``poros-fx --help`` stays quick.
 
 from __future__ import annotations
 
+import datetime
 import statistics
 from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 console = Console()
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print ``message`` in red on stderr (unwrapped, so paths stay whole) and return the exit to raise."""
-    Console(stderr=True).print(f"[red]error:[/red] {message}", soft_wrap=True, markup=True, highlight=False)
+    """Print ``message`` as the one error line (``error: ...`` on stderr, unwrapped so paths stay whole) and
+    return the exit to raise: every command's errors look the same (exit code 2 for bad input)."""
+    Console(stderr=True).print("[red]error:[/red] " + escape(" ".join(message.split())), soft_wrap=True,
+                               highlight=False)
     return typer.Exit(code)
 
 
 class StepLog:
-    """A rich progress bar (loss, s/step) on a terminal; plain periodic lines otherwise (logs, CI, pipes)."""
+    """A rich progress bar (loss, s/step, tokens/s, ETA) on a terminal; plain periodic lines otherwise (logs,
+    CI, pipes). The first step compiles: rates and the ETA come from the steps after it."""
 
     def __init__(self, steps: int, every: Optional[int], start: int = 0, label: str = "training",
                  unit: str = "step") -> None:
@@ -35,6 +40,7 @@ class StepLog:
         self.bar = None
         self.task = None
         self.times: list[float] = []
+        self.tokens: list[int] = []
 
     def __enter__(self) -> "StepLog":
         if console.is_terminal:
@@ -48,14 +54,24 @@ class StepLog:
                                           rate=f"(the first {self.unit} compiles)")
         return self
 
-    def step(self, step: int, loss: float, seconds: float) -> None:
+    def step(self, step: int, loss: float, seconds: float, tokens: Optional[int] = None) -> None:
         self.times.append(seconds)
-        # the first step compiles; the rate shown is that of the steps after it
-        rate = statistics.mean(self.times[1:]) if len(self.times) > 1 else seconds
+        if tokens is not None:
+            self.tokens.append(tokens)
+        # the first step compiles; the rates shown are those of the steps after it
+        timed = self.times[1:] if len(self.times) > 1 else self.times
+        rate = statistics.mean(timed)
+        parts = [f"{rate:.2f} s/{self.unit}"]
+        if self.tokens:
+            counted = self.tokens[1:] if len(self.tokens) > 1 else self.tokens
+            parts.append(f"{sum(counted) / sum(timed):,.0f} tok/s")
+        if step < self.steps:
+            parts.append(f"ETA {datetime.timedelta(seconds=round(rate * (self.steps - step)))}")
+        text = "  ".join(parts)
         if self.bar is not None:
-            self.bar.update(self.task, advance=1, loss=f"{loss:.4f}", rate=f"{rate:.2f} s/{self.unit}")
+            self.bar.update(self.task, advance=1, loss=f"{loss:.4f}", rate=text)
         elif step == self.start + 1 or step % self.every == 0 or step == self.steps:
-            console.print(f"{self.unit} {step}/{self.steps}  loss {loss:.4f}  {rate:.2f} s/{self.unit}"
+            console.print(f"{self.unit} {step}/{self.steps}  loss {loss:.4f}  {text}"
                           + (f"  (first {self.unit} compiles)" if step == self.start + 1 else ""), highlight=False)
 
     def note(self, message: str) -> None:

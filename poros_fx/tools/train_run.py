@@ -1,20 +1,32 @@
-"""One ``poros-fx train`` run: data and model set up, the optimizer loop, saves on the way and on Ctrl-C.
+"""The one training loop behind ``poros-fx train`` and ``poros_fx.FineTuner``: model, data, the optimizer
+loop with its controls, saves on the way and on Ctrl-C.
 
-The command (``cli.train``) only reads the options, or takes them from the state of the run it
-resumes; this is the rest. The loop is written so that a stopped run can continue bit-exactly: the
-data order depends on the seed alone (not on the step count), the RNG states are taken after each
-finished step, and Ctrl-C is held while an optimizer step and its bookkeeping run, so that what is
-saved (``run_state``) is always one whole step.
+``load_model(opts)`` builds the prepared PEFT model (and finds its tokenizer); ``train(opts, ...)`` reads
+the data and runs the loop on it. The command (``cli.train``) and the Python surface (``finetune.py``)
+both call these two, so a run is the same bits whichever started it. Errors are raised as
+``PorosError`` (the command prints them as one line).
+
+The loop is written so that a stopped run can continue bit-exactly: the data order depends on the seed
+alone (not on the step count), the learning rate of a step on its number alone (``schedules.py``), the
+RNG states are taken after each finished step, and Ctrl-C is held while an optimizer step and its
+bookkeeping run, so that what is saved (``run_state``) is always one whole step.
+
+Per step: the micro-batches' forward and backward through ``torch.compile(model, backend="poros")``
+(block-major with ``accumulate`` > 1), gradient clipping (``max_grad_norm``), the learning rate of the
+step (warmup, then constant / linear / cosine), ``AdamW.step()``. Every ``eval_every`` steps the
+``eval_data`` loss (``evaluation.py``, under ``torch.no_grad()``, dropout off). Each step's metrics go
+to ``OUT/metrics.jsonl`` (``metrics.py``).
 
 Under ``torchrun --nproc-per-node N -m poros_fx.tools.cli train ...`` every rank loads the base (one
 shared host copy per host, ``poros_fx.distributed``), trains through ``DistributedDataParallel`` on
-every N-th micro-batch of the one data order (the global batch is N x ``--batch-size`` rows), logs the
+every N-th micro-batch of the one data order (the global batch is N x ``batch_size`` rows), logs the
 ranks' mean loss, and rank 0 alone prints and saves; the adapter is the same on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import dataclasses
 import itertools
 import math
@@ -28,236 +40,429 @@ import torch
 from torch import nn
 
 from .. import distributed, stats
-from ..errors import PorosError
+from ..errors import PorosConfigError, PorosError
+from ..families import resolve
 from ..io.data import TokenDataset, batches
 from ..io.loader import from_config as random_model
 from ..io.loader import load_pretrained
-from ..runtime.accumulate import block_major
+from ..prepare import AUTO, get_store
+from ..runtime.accumulate import step_context
+from ..runtime.lengths import mark_dynamic
+from ..runtime.budget import parse_size
+from .estimate import lora_bytes, step_memory
+from .evaluation import evaluate
+from .metrics import MetricsLog
 from .report import format_bytes, report
-from .run_state import STATE_FILE, Named, check_resumable, fingerprint, restore, rng_state, save_train_state
-from .sources import as_path, read_data, target_modules, train_source
-from .terminal import StepLog, console, fail
+from .run_config import RUN_CONFIG_FILE, write_run_config
+from .run_state import (STATE_FILE, Named, check_resumable, checkpoint_folder, fingerprint, keep_checkpoints,
+                        model_fingerprint, restore, rng_state, save_train_state)
+from .schedules import SCHEDULES, lr_factors, set_lr
+from .sources import as_path, read_data, save_tokenizer, target_modules, tokenizer_of, train_source
+from .terminal import StepLog, console
 
 
 @dataclasses.dataclass
 class TrainOptions:
-    """The train command's options, as typed or as the resumed run saved them (``run_state.SETTINGS``)."""
+    """Everything a run is made of: the train command's options, ``FineTuner``'s arguments, or the state
+    of the run being resumed (``run_state.SETTINGS``)."""
 
-    model: Optional[str]  # a checkpoint folder or cached hub id; or None with from_config
-    from_config: Optional[str]  # a built-in shape or config: random weights
-    data: str
-    out: Path
-    quantization: str
-    lora_r: int
-    lora_alpha: float
-    lora_dropout: float
-    target_modules: Optional[list[str]]
-    steps: Optional[int]  # None: from epochs (default 1) and the data
-    epochs: Optional[float]
-    lr: float
-    weight_decay: float
-    seq_len: int
-    pack: bool
-    batch_size: int
-    accumulate: int
-    block_size: int
-    prefetch: int | str
-    codegen: Optional[str]
-    device: Optional[str]
-    seed: int
-    log_every: Optional[int]
-    save_every: Optional[int]
+    model: Optional[str] = None  # a checkpoint folder or cached hub id; or None with from_config
+    from_config: Optional[str] = None  # a built-in shape or config: random weights
+    data: Optional[str] = None  # a file, a dataset folder, a cached dataset id, or "demo"
+    out: Optional[Path] = None  # where the adapter and the resume state go (None: nothing saved on the way)
+    quantization: str = "nf4"
+    lora_r: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.05
+    target_modules: Optional[list[str]] = None
+    steps: Optional[int] = None  # None: from epochs (default 1) and the data
+    epochs: Optional[float] = None
+    lr: float = 2e-4
+    weight_decay: float = 0.0
+    seq_len: int = 512
+    pack: bool = True
+    batch_size: int = 1
+    accumulate: int = 1
+    block_size: int = 1
+    prefetch: int | str = AUTO
+    codegen: Optional[str] = None
+    device: Optional[str] = None
+    seed: int = 0
+    log_every: Optional[int] = None
+    save_every: Optional[int] = None
     memory_budget: Optional[str] = None
-    block_major: bool = True  # --accumulate N: each block runs all N micro-batches while loaded (runtime/accumulate.py)
+    block_major: bool = True  # accumulate N: each block runs all N micro-batches while loaded (runtime/accumulate.py)
+    warmup_steps: int = 0
+    schedule: str = "constant"  # after warmup: constant, linear or cosine decay to 0 at the last step
+    max_grad_norm: Optional[float] = None  # clip the adapter's gradients to this total norm
+    eval_data: Optional[str] = None
+    eval_every: Optional[int] = None  # steps between evaluations (default: at the end only)
+    save_total_limit: Optional[int] = None  # save_every also keeps this many OUT/checkpoint-STEP folders
+    train_on: str = "completion"  # completion: assistant turns / completions; all: every token
+    split: Optional[str] = None  # of a dataset folder or cached id
+    metrics: bool = True  # OUT/metrics.jsonl (and TensorBoard when installed)
+
+    def check(self) -> None:
+        """Refuse settings that cannot run, before anything is loaded."""
+        if self.quantization not in ("nf4", "bf16"):
+            raise PorosConfigError(f"quantization must be nf4 or bf16, got {self.quantization!r}")
+        if self.steps is not None and self.epochs is not None:
+            raise PorosConfigError("give steps or epochs, not both")
+        if self.epochs is not None and not self.epochs > 0:
+            raise PorosConfigError(f"epochs must be above 0, got {self.epochs}")
+        for name in ("steps", "batch_size", "accumulate", "block_size", "eval_every", "save_every", "lora_r"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise PorosConfigError(f"{name} must be at least 1, got {value}")
+        if self.schedule not in SCHEDULES:
+            raise PorosConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.warmup_steps < 0 or (self.save_total_limit is not None and self.save_total_limit < 0):
+            raise PorosConfigError("warmup_steps and save_total_limit must be at least 0")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise PorosConfigError(f"max_grad_norm must be above 0, got {self.max_grad_norm}")
+        if self.eval_every is not None and self.eval_data is None:
+            raise PorosConfigError("eval_every needs eval_data (the data to evaluate on)")
+        parse_size(self.memory_budget)
+
+
+@dataclasses.dataclass
+class Session:
+    """A prepared model ready to train, with what it was built from."""
+
+    model: nn.Module  # the PEFT model, prepared (its base in the host store)
+    config: Any  # its transformers config
+    folder: Optional[Path]  # where its checkpoint (and tokenizer) lie; None for a built-in shape
+    tokenizer: Any  # transformers tokenizer, or None
+    targets: list[str]  # the LoRA target modules
+    device: torch.device  # where the adapter lives (the compute device)
+    ranks: distributed.Ranks  # torchrun's; one process is rank 0 of 1
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a ``train`` call did."""
+
+    steps: int  # the step the run ended after
+    losses: list[float]  # per finished step, from the first of the run (a resumed run's earlier ones too)
+    eval_losses: dict[int, float]  # step -> eval loss
+    out: Optional[Path]
+
+
+def load_model(opts: TrainOptions, ranks: Optional[distributed.Ranks] = None) -> Session:
+    """The prepared PEFT model ``opts`` describe, its LoRA initialised from ``opts.seed``."""
+    o = opts
+    ranks = ranks or distributed.launched_ranks()
+    config, folder = train_source(o.model, o.from_config)
+    targets = target_modules(o.target_modules, config.model_type)
+    torch.manual_seed(o.seed)  # the LoRA A init and, in the loop, the dropout masks
+    lora = peft.LoraConfig(r=o.lora_r, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout, target_modules=targets)
+    device = o.device
+    if ranks.distributed and (device is None or device == "cuda"):
+        device = distributed.rank_device(ranks)  # cuda:LOCAL_RANK (the CPU without CUDA)
+    common = {"quantization": o.quantization, "device": device, "block_size": o.block_size, "prefetch": o.prefetch,
+              "lora": lora, "codegen": o.codegen, "memory_budget": o.memory_budget}
+    try:
+        model = load_pretrained(folder, **common) if o.model is not None else random_model(config, seed=o.seed, **common)
+    except ValueError as e:  # peft: target modules that match no module of the model
+        if isinstance(e, PorosConfigError):
+            raise
+        raise PorosConfigError(f"LoRA setup failed: {e}") from None
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return Session(model=model, config=config, folder=folder, tokenizer=tokenizer_of(folder), targets=targets,
+                   device=trainable[0].device, ranks=ranks)
 
 
 @dataclasses.dataclass
 class _Run:
-    """A run ready to step: the prepared model, its optimizer and data, and how far it has gone."""
+    """A run ready to step: the session, its compiled step, optimizer and data, and how far it has gone."""
 
     opts: TrainOptions
-    model: nn.Module  # the PEFT model, prepared (its base in the host store)
-    step_model: nn.Module  # the same under torch.compile(backend="poros")
+    session: Session
+    step_model: nn.Module  # the model under torch.compile(backend="poros")
     named: Named
     optimizer: torch.optim.Optimizer
-    device: torch.device
-    ranks: distributed.Ranks  # torchrun's; one process is rank 0 of 1
     dataset: TokenDataset
+    eval_dataset: Optional[TokenDataset]
     data_sha256: str
     steps: int  # the step the run ends after
-    done: int  # steps finished before this command (a resumed run's)
+    done: int  # steps finished before this call (a resumed run's)
     losses: list[float]  # per finished step
+    eval_losses: dict[int, float]
     record: dict[str, Any]  # what --resume needs to rebuild this run (kept in the state as "run")
+    metrics: MetricsLog
 
-    def save(self, step: int, rng: dict[str, torch.Tensor]) -> None:
-        """Adapter and resume state of ``step`` (finished, with the RNG states after it) into ``--out``."""
-        save_train_state(self.opts.out, self.model, self.named, self.optimizer, rng, {
+    def save(self, folder: Path, step: int, rng: dict[str, torch.Tensor]) -> None:
+        """Adapter, resume state, tokenizer and run.toml of ``step`` (finished, with the RNG states after it)."""
+        save_train_state(folder, self.session.model, self.named, self.optimizer, rng, {
             "step": step, "steps": self.steps, "micro_batches": step * self.opts.accumulate,
-            "losses": self.losses[:step], "data_sha256": self.data_sha256, "run": self.record})
+            "losses": self.losses[:step], "data_sha256": self.data_sha256, "run": self.record,
+            "eval_losses": {str(k): v for k, v in self.eval_losses.items() if k <= step}})
+        save_tokenizer(self.session.tokenizer, folder)
+        write_run_config(folder / RUN_CONFIG_FILE, {k: v for k, v in self.record.items() if k in _CONFIG_KEYS})
 
 
-def train(opts: TrainOptions, resume: Optional[Path] = None, saved: Optional[tuple[dict, dict]] = None) -> None:
-    """Train a LoRA adapter as ``opts`` say and write it (with its resume state) into ``opts.out``;
-    ``resume``/``saved``: the folder and the ``(meta, tensors)`` of the run this one continues."""
-    ranks = distributed.launched_ranks()
-    if ranks.distributed:
+def train(opts: TrainOptions, session: Optional[Session] = None, resume: Optional[Path] = None,
+          saved: Optional[tuple[dict, dict]] = None) -> TrainResult:
+    """Train the LoRA adapter of ``session`` (built from ``opts`` when not given) on ``opts.data`` and write it
+    (with its resume state) into ``opts.out`` when set; ``resume``/``saved``: the folder and the
+    ``(meta, tensors)`` of the run this one continues."""
+    opts.check()
+    ranks = session.ranks if session is not None else distributed.launched_ranks()
+    if ranks.distributed and not torch.distributed.is_initialized():
         distributed.init_process_group()
         if ranks.rank != 0:
             console.quiet = True  # rank 0 speaks for the job
+    run = None
     try:
-        run = _set_up(opts, resume, saved, ranks)
+        run = _set_up(opts, session, resume, saved, ranks)
         loss, rng = _loop(run, resume)
         with interrupt_after():
-            if ranks.rank == 0:
-                run.save(run.steps, rng)
+            if ranks.rank == 0 and opts.out is not None:
+                run.save(opts.out, run.steps, rng)
         _summary(run, loss)
+        run.metrics.close()
+        return TrainResult(steps=run.steps, losses=list(run.losses), eval_losses=dict(run.eval_losses), out=opts.out)
     finally:
-        if ranks.distributed and torch.distributed.is_initialized():
+        if ranks.distributed and session is None and torch.distributed.is_initialized():
+            # the DDP module's reducer holds the process group: it goes first (freed after the group is
+            # destroyed, its gloo threads wait for a peer that is gone)
+            run = None
+            gc.collect()
             torch.distributed.destroy_process_group()
 
 
-def _set_up(opts: TrainOptions, resume: Optional[Path], saved: Optional[tuple[dict, dict]],
-            ranks: distributed.Ranks = distributed.Ranks()) -> _Run:
-    """Config, data and model (in that order: a bad data file fails in seconds, before any weight is read),
-    then the optimizer, and the saved step restored into both when resuming."""
+def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Path],
+            saved: Optional[tuple[dict, dict]], ranks: distributed.Ranks) -> _Run:
+    """Config and data, then the model (a bad data file fails in seconds, before any weight is read), then
+    the optimizer, and the saved step restored into both when resuming."""
     o = opts
-    try:
-        config, folder = train_source(o.model, o.from_config)
-        dataset = read_data(o.data, config, folder, o.from_config, o.seq_len, o.pack)
-        steps = o.steps
-        if steps is None:
-            steps = max(1, math.ceil((1.0 if o.epochs is None else o.epochs) * dataset.rows
-                                     / (o.batch_size * o.accumulate * ranks.world_size)))
-        data_sha256 = fingerprint(dataset)
-        done = 0 if saved is None else check_resumable(saved[0], data_sha256, steps, resume, dataset.source)
-        saved_world = ranks.world_size if saved is None else saved[0]["run"].get("world_size", 1)
-        if saved_world != ranks.world_size:  # each rank's data position depends on the number of ranks
-            raise fail(f"--resume {resume} continues a run of {saved_world} rank(s); this job has {ranks.world_size}. "
-                       f"Resume it with torchrun --nproc-per-node {saved_world}" if saved_world > 1 else
-                       f"--resume {resume} continues a single-process run; resume it without torchrun")
-        console.print(f"data: {dataset.source}: {dataset.examples} examples ({', '.join(dataset.kinds)}) -> "
-                      f"{dataset.rows} rows of {o.seq_len} tokens, {dataset.supervised_tokens} trained tokens; "
-                      f"{steps} step(s) of {o.accumulate} x {o.batch_size} rows"
-                      + (f"; resuming after step {done}" if saved is not None else ""), soft_wrap=True, highlight=False)
-
-        torch.manual_seed(o.seed)  # the LoRA A init and, in the loop, the dropout masks
-        targets = target_modules(o.target_modules, config.model_type)
-        lora = peft.LoraConfig(r=o.lora_r, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout, target_modules=targets)
-        device = o.device
-        if ranks.distributed and (device is None or device == "cuda"):
-            device = distributed.rank_device(ranks)  # cuda:LOCAL_RANK (the CPU without CUDA)
-        common = {"quantization": o.quantization, "device": device, "block_size": o.block_size,
-                  "prefetch": o.prefetch, "lora": lora, "codegen": o.codegen, "memory_budget": o.memory_budget}
-        if o.model is not None:
-            model = load_pretrained(folder, **common)
-        else:
-            model = random_model(config, seed=o.seed, **common)
-    except PorosError as e:
-        raise fail(str(e))
-    except ValueError as e:  # peft: --target-modules that match no module of the model
-        raise fail(f"LoRA setup failed: {e}")
+    config, folder = (session.config, session.folder) if session is not None else train_source(o.model, o.from_config)
+    tokenizer = session.tokenizer if session is not None else tokenizer_of(folder)
+    data_args = {"config": config, "folder": folder, "shape": o.from_config, "seq_len": o.seq_len, "pack": o.pack,
+                 "train_on": o.train_on, "tokenizer": tokenizer}
+    dataset = read_data(o.data, split=o.split, **data_args)
+    eval_dataset = read_data(o.eval_data, split=None, **data_args) if o.eval_data is not None else None
+    steps = o.steps
+    if steps is None:
+        steps = max(1, math.ceil((1.0 if o.epochs is None else o.epochs) * dataset.rows
+                                 / (o.batch_size * o.accumulate * ranks.world_size)))
+    data_sha256 = fingerprint(dataset)
+    done = 0 if saved is None else check_resumable(saved[0], data_sha256, steps, resume, dataset.source)
+    saved_world = ranks.world_size if saved is None else saved[0]["run"].get("world_size", 1)
+    if saved_world != ranks.world_size:  # each rank's data position depends on the number of ranks
+        raise PorosConfigError(
+            f"--resume {resume} continues a run of {saved_world} rank(s); this job has {ranks.world_size}. Resume it "
+            f"with torchrun --nproc-per-node {saved_world}" if saved_world > 1 else
+            f"--resume {resume} continues a single-process run; resume it without torchrun")
+    console.print(f"data: {dataset.source}: {dataset.examples} examples ({', '.join(dataset.kinds)}) -> "
+                  f"{dataset.rows} rows of {o.seq_len} tokens, {dataset.supervised_tokens} trained tokens; "
+                  f"{steps} step(s) of {o.accumulate} x {o.batch_size} rows"
+                  + (f"; resuming after step {done}" if saved is not None else "")
+                  + (f"; eval: {eval_dataset.source}, {eval_dataset.rows} rows" if eval_dataset is not None else ""),
+                  soft_wrap=True, highlight=False)
+    if session is None:
+        session = load_model(o, ranks)
+    model, device = session.model, session.device
+    _check_budget(o, session)
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     trainable = [p for _, p in named]
-    device = trainable[0].device
     console.print(report(model), soft_wrap=True, highlight=False)
     console.print(f"model: {config.model_type}, {o.quantization} base streamed on {device}, LoRA r={o.lora_r} "
-                  f"alpha={o.lora_alpha} on {', '.join(targets)} ({sum(p.numel() for p in trainable):,} trainable "
-                  f"parameters)", soft_wrap=True, highlight=False)
+                  f"alpha={o.lora_alpha} on {', '.join(session.targets)} ({sum(p.numel() for p in trainable):,} "
+                  f"trainable parameters)", soft_wrap=True, highlight=False)
     model.train()
     # several ranks: DDP with the host store ignored, all-reducing the adapter's gradients
     step_model = torch.compile(distributed.data_parallel(model) if ranks.distributed else model, backend="poros",
                                options={"block_major": o.block_major})
     optimizer = torch.optim.AdamW(trainable, lr=o.lr, weight_decay=o.weight_decay)
     losses: list[float] = []
+    eval_losses: dict[int, float] = {}
     if saved is not None:
         meta, tensors = saved
         losses = restore(meta, tensors, named, optimizer, device, resume / STATE_FILE)
+        eval_losses = {int(k): v for k, v in meta.get("eval_losses", {}).items()}
     record = dict(model=as_path(o.model), from_config=as_path(o.from_config), data=as_path(o.data),
-                  target_modules=targets, quantization=o.quantization, lora_r=o.lora_r, lora_alpha=o.lora_alpha,
+                  target_modules=session.targets, quantization=o.quantization, lora_r=o.lora_r, lora_alpha=o.lora_alpha,
                   lora_dropout=o.lora_dropout, lr=o.lr, weight_decay=o.weight_decay, seq_len=o.seq_len, pack=o.pack,
                   batch_size=o.batch_size, accumulate=o.accumulate, codegen=o.codegen, device=device.type, seed=o.seed,
                   block_size=o.block_size, prefetch=o.prefetch, steps=steps, log_every=o.log_every,
                   save_every=o.save_every, memory_budget=o.memory_budget, block_major=o.block_major,
-                  world_size=ranks.world_size)
-    return _Run(opts=o, model=model, step_model=step_model, named=named, optimizer=optimizer, device=device,
-                ranks=ranks, dataset=dataset, data_sha256=data_sha256, steps=steps, done=done, losses=losses,
-                record=record)
+                  world_size=ranks.world_size, warmup_steps=o.warmup_steps, schedule=o.schedule,
+                  max_grad_norm=o.max_grad_norm, eval_data=as_path(o.eval_data), eval_every=o.eval_every,
+                  save_total_limit=o.save_total_limit, train_on=o.train_on, split=o.split, metrics=o.metrics,
+                  model_sha256=_model_sha256(folder) if o.model is not None else None)
+    metrics = MetricsLog(o.out, enabled=o.metrics and ranks.rank == 0) if o.out is not None else MetricsLog(Path("."),
+                                                                                                          enabled=False)
+    return _Run(opts=o, session=session, step_model=step_model, named=named, optimizer=optimizer, dataset=dataset,
+                eval_dataset=eval_dataset, data_sha256=data_sha256, steps=steps, done=done, losses=losses,
+                eval_losses=eval_losses, record=record, metrics=metrics)
+
+
+# the settings run.toml keeps: what `train --config` reads back (not the bookkeeping of the state)
+_CONFIG_KEYS = ("model", "from_config", "data", "quantization", "lora_r", "lora_alpha", "lora_dropout",
+                "target_modules", "steps", "lr", "weight_decay", "seq_len", "pack", "batch_size", "accumulate",
+                "block_size", "prefetch", "codegen", "seed", "log_every", "save_every", "memory_budget", "block_major",
+                "warmup_steps", "schedule", "max_grad_norm", "eval_data", "eval_every", "save_total_limit", "train_on",
+                "split", "metrics")
+
+
+def _model_sha256(folder: Optional[Path]) -> Optional[str]:
+    return model_fingerprint(folder) if folder is not None else None
+
+
+def _check_budget(o: TrainOptions, session: Session) -> None:
+    """A memory budget below what the streamed step is estimated to need is refused here, before anything
+    compiles (``poros-fx check`` shows the same estimate)."""
+    budget = parse_size(o.memory_budget)
+    if budget is None:
+        return
+    store = get_store(session.model)
+    sizes = store.block_bytes()
+    ahead = 1 if store.prefetch == AUTO else store.prefetch
+    window = (1 + ahead) * max([*sizes[:-1], -(-sizes[-1] // store.head_chunks)])
+    if store.device.type == "cuda":
+        family = resolve(session.config.model_type)
+        est = step_memory(session.config, window, seq=o.seq_len, batch=o.batch_size,
+                          in_flight=o.accumulate if o.block_major else 1,
+                          adapter_bytes=lora_bytes(session.config, family, session.targets, o.lora_r))
+        need, what = est.total, "the streamed step's estimated device memory"
+    else:  # on the CPU the budget counts base bytes only (runtime/budget.py)
+        need, what = window, f"the streamed base window ((1 + prefetch {ahead}) x the largest block)"
+    if budget < need:
+        raise PorosConfigError(f"--memory-budget {o.memory_budget} ({format_bytes(budget)}) is below {what}, "
+                               f"{format_bytes(need)}: raise it to at least that, or leave --memory-budget out to stream "
+                               f"every block (`poros-fx check` shows the estimate)")
+
+
+class Interrupted(PorosError):
+    """Ctrl-C during ``train``: the last finished step was saved (when the run has an ``out``); the message says
+    where and how to resume (the command exits with 130)."""
 
 
 def _loop(run: _Run, resume: Optional[Path]) -> tuple[float, dict[str, torch.Tensor]]:
-    """Steps ``run.done + 1 .. run.steps``, saving every ``--save-every``; returns the last step's loss and
-    the RNG states after it. On Ctrl-C the last finished step is saved and the command exits with 130."""
-    o, dev, world = run.opts, run.device, run.ranks.world_size
+    """Steps ``run.done + 1 .. run.steps``, saving every ``save_every``; returns the last step's loss and the RNG
+    states after it. On Ctrl-C the last finished step is saved and ``Interrupted`` raised."""
+    o, dev, world = run.opts, run.session.device, run.session.ranks.world_size
+    ranks, model = run.session.ranks, run.session.model
     # one data order for the job; rank r takes micro-batches r, r + N, r + 2N, ...
     micro = itertools.islice(batches(run.dataset, o.batch_size, run.steps * o.accumulate * world, o.seed),
-                             run.ranks.rank, None, world)
-    done = run.done
-    for _ in range(done * o.accumulate):  # the data position: the same order, the batches already trained skipped
+                             ranks.rank, None, world)
+    for _ in range(run.done * o.accumulate):  # the data position: the same order, the batches already trained skipped
         next(micro)
+    factor = lr_factors(o.schedule, o.warmup_steps, run.steps)
+    trainable = [p for _, p in run.named]
+    tokens_per_step = o.accumulate * o.batch_size * o.seq_len * world
+    done = run.done
     rng = rng_state(dev)  # the generators as they stand after the last finished step
     loss_value = run.losses[-1] if run.losses else float("nan")
     try:
-        with (distributed.no_ddp_optimizer() if run.ranks.distributed else contextlib.nullcontext(),
+        with (distributed.no_ddp_optimizer() if ranks.distributed else contextlib.nullcontext(),
               StepLog(run.steps, o.log_every, start=run.done) as log):
             for step in range(run.done + 1, run.steps + 1):
                 start = time.perf_counter()
                 total = torch.zeros((), device=dev)
-                micro_batches = [{k: v.to(dev) for k, v in next(micro).items()} for _ in range(o.accumulate)]
-                # with --accumulate N each block is loaded once for the N micro-batches (runtime/accumulate.py)
-                with block_major(run.model, micro_batches) if o.accumulate > 1 and o.block_major and not run.ranks.distributed \
-                        else contextlib.nullcontext():  # block-major under DDP: not validated yet
+                # every length from one compile (runtime/lengths.py)
+                micro_batches = [mark_dynamic({k: v.to(dev) for k, v in next(micro).items()})
+                                 for _ in range(o.accumulate)]
+                # with accumulate N each block is loaded once for the N micro-batches, where it can
+                # (runtime/accumulate.py decides, as for @poros_fx.step and PorosTrainer)
+                with step_context(model, micro_batches, block_major_option=o.block_major,
+                                  data_parallel=ranks.distributed):
                     for batch in micro_batches:
-                        loss = run.step_model(**batch, use_cache=False).loss / o.accumulate  # mean over the micro-batches
+                        loss = run.step_model(**batch, use_cache=False).loss / o.accumulate  # mean over micro-batches
                         loss.backward()
                         total += loss.detach()
-                if run.ranks.distributed:  # the log shows the ranks' mean loss (every rank sees it)
+                if ranks.distributed:  # the log shows the ranks' mean loss (every rank sees it)
                     torch.distributed.all_reduce(total)
                     total /= world
                 with interrupt_after():  # a step is saved whole or not at all
+                    grad_norm = (torch.nn.utils.clip_grad_norm_(trainable, o.max_grad_norm).item()
+                                 if o.max_grad_norm is not None else None)
+                    lr = set_lr(run.optimizer, o.lr, factor, step)
                     run.optimizer.step()
                     run.optimizer.zero_grad(set_to_none=True)
                     loss_value = total.item()
                     run.losses.append(loss_value)
                     done, rng = step, rng_state(dev)
                 if not math.isfinite(loss_value):
-                    raise fail(f"step {step}: loss is {loss_value}; lower --lr, or check the data")
-                log.step(step, loss_value, time.perf_counter() - start)
-                if o.save_every is not None and step % o.save_every == 0 and step < run.steps and run.ranks.rank == 0:
-                    run.save(step, rng)
+                    raise PorosConfigError(f"step {step}: loss is {loss_value}; lower the learning rate, or check the data")
+                seconds = time.perf_counter() - start
+                log.step(step, loss_value, seconds, tokens=tokens_per_step)
+                run.metrics.write({"step": step, "loss": loss_value, "learning_rate": lr,
+                                   **({"grad_norm": grad_norm} if grad_norm is not None else {}),
+                                   "tokens": tokens_per_step, "tokens_per_second": tokens_per_step / seconds,
+                                   "seconds": seconds})
+                if run.eval_dataset is not None and (step % o.eval_every == 0 if o.eval_every else step == run.steps):
+                    _evaluate(run, step, log)
+                if o.save_every is not None and step % o.save_every == 0 and step < run.steps and ranks.rank == 0 \
+                        and o.out is not None:
+                    _save_periodic(run, step, rng)
                     log.note(f"step {step}: adapter and resume state saved to {o.out}/")
     except KeyboardInterrupt:
-        if done == 0 or (done == run.done and resume is not None and o.out.resolve() == resume.resolve()):
-            raise fail("interrupted before a step finished; nothing new to save" + (
-                f" (the run in {o.out}/ is still at step {done}: `poros-fx train --resume {o.out}`)" if done else ""),
-                code=130)
-        if run.ranks.rank == 0:
-            run.save(done, rng)
-        raise fail(f"interrupted: step {done}/{run.steps} saved to {o.out}/ (adapter + resume state). Continue with "
-                   f"`poros-fx train --resume {o.out}`", code=130)
+        out = o.out
+        if out is None:
+            raise Interrupted(f"interrupted after step {done}/{run.steps} (nothing saved: no output folder)") from None
+        if done == 0 or (done == run.done and resume is not None and out.resolve() == resume.resolve()):
+            raise Interrupted("interrupted before a step finished; nothing new to save" + (
+                f" (the run in {out}/ is still at step {done}: `poros-fx train --resume {out}`)" if done else "")
+                ) from None
+        if ranks.rank == 0:
+            run.save(out, done, rng)
+        raise Interrupted(f"interrupted: step {done}/{run.steps} saved to {out}/ (adapter + resume state). Continue with "
+                          f"`poros-fx train --resume {out}`") from None
     return loss_value, rng
+
+
+def _evaluate(run: _Run, step: int, log: StepLog) -> None:
+    """The eval data's loss now, under ``torch.no_grad()`` with dropout off (draws no random numbers)."""
+    model = run.session.model
+    model.eval()
+    try:
+        result = evaluate(run.step_model, run.eval_dataset, run.opts.batch_size, run.session.device)
+    finally:
+        model.train()
+    run.eval_losses[step] = result.loss
+    run.metrics.write({"step": step, "eval_loss": result.loss, "eval_perplexity": result.perplexity})
+    log.note(f"step {step}: eval loss {result.loss:.4f}  perplexity {result.perplexity:.3f}  "
+             f"({result.tokens} tokens, {result.seconds:.1f} s)")
+
+
+def _save_periodic(run: _Run, step: int, rng: dict[str, torch.Tensor]) -> None:
+    """``save_every``: the run's folder (what ``--resume OUT`` reads) and, with ``save_total_limit`` K > 0, a
+    ``checkpoint-STEP`` folder, of which the newest K are kept."""
+    out = run.opts.out
+    run.save(out, step, rng)
+    if run.opts.save_total_limit:
+        run.save(checkpoint_folder(out, step), step, rng)
+        keep_checkpoints(out, run.opts.save_total_limit)
 
 
 def _summary(run: _Run, loss: float) -> None:
     """Where the adapter went and what to do with it, and what streaming cost."""
     o, out, steps = run.opts, run.opts.out, run.steps
-    s = stats(run.model)
-    if o.from_config is not None:
-        where = (f"final loss {loss:.4f} after {steps} steps; adapter written to {out}/. It was trained on "
-                 f"random weights (--from-config {o.from_config}, seed {o.seed}) and fits only that random base: "
-                 f"there is no checkpoint for `poros-fx export` to merge it into. Evaluate it with `poros-fx eval "
-                 f"{o.from_config} --adapter {out} --data DATA --seed {o.seed}`, continue it with `poros-fx train "
-                 f"--resume {out} --steps N`, or load it with poros_fx.from_config(config, seed={o.seed}, "
-                 f"adapter={str(out)!r})")
+    s = stats(run.session.model)
+    where = f"adapter written to {out}/" if out is not None else "adapter in memory (FineTuner.save(DIR) writes it)"
+    if out is None:
+        text = f"final loss {loss:.4f} after {steps} steps; {where}"
+    elif o.from_config is not None:
+        text = (f"final loss {loss:.4f} after {steps} steps; {where}. It was trained on random weights "
+                f"(--from-config {o.from_config}, seed {o.seed}) and fits only that random base: there is no checkpoint "
+                f"for `poros-fx export` to merge it into. Evaluate it with `poros-fx eval {o.from_config} --adapter "
+                f"{out} --data DATA --seed {o.seed}`, continue it with `poros-fx train --resume {out} --steps N`, or "
+                f"load it with poros_fx.from_config(config, seed={o.seed}, adapter={str(out)!r})")
     else:
-        where = (f"final loss {loss:.4f} after {steps} steps; adapter written to {out}/ (peft.PeftModel."
-                 f"from_pretrained, `poros-fx eval {o.model} --adapter {out} --data DATA`, `poros-fx export {out} "
-                 f"--base {o.model} -o MERGED`, or `poros-fx train --resume {out} --steps N` to train further)")
-    console.print(where, soft_wrap=True, highlight=False)
+        text = (f"final loss {loss:.4f} after {steps} steps; {where} (peft.PeftModel.from_pretrained, `poros-fx eval "
+                f"{o.model} --adapter {out} --data DATA`, `poros-fx export {out} --base {o.model} -o MERGED`, or "
+                f"`poros-fx train --resume {out} --steps N` to train further)")
+    console.print(text, soft_wrap=True, highlight=False)
+    # the peak is of the blocks' device copies, each layer one span of the host arena (alignment gaps
+    # included): compared with what every block at once would copy, not with the tensors' own bytes
     console.print(f"poros: peak resident base {format_bytes(s['peak_resident_base_bytes'])} of "
-                  f"{format_bytes(s['host_bytes'])} in the host store; {s['loads']} loads "
-                  f"({format_bytes(s['bytes_loaded'])}), {s['recomputed_blocks']} recomputed blocks, block size "
-                  f"{s['block_size']}, prefetch {s['prefetch']}", soft_wrap=True, highlight=False)
+                  f"{format_bytes(sum(s['block_bytes']))} that all blocks copy at once ({format_bytes(s['host_bytes'])} "
+                  f"of tensors in the host store); {s['loads']} loads ({format_bytes(s['bytes_loaded'])}), "
+                  f"{s['recomputed_blocks']} recomputed blocks, block size {s['block_size']}, prefetch {s['prefetch']}",
+                  soft_wrap=True, highlight=False)
 
 
 @contextlib.contextmanager
