@@ -10,6 +10,8 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 from torch import nn
 
+from ...options import set_trace_options
+
 COMPILED_RESIDENT_MODELS = ("tiny", "qwen2.5-0.5b", "qwen2.5-7b")  # Inductor on a 32B+ resident base: not asked for
 
 State = Literal["prepared", "resident"]
@@ -108,9 +110,16 @@ def _poros_with(**options: Any) -> Callable[[nn.Module, int | None], Runner]:
     from ...runtime.accumulate import block_major
 
     def setup(model: nn.Module, block_size: int | None) -> Runner:
+        set_trace_options(model, options)  # chunked_loss: the forward Dynamo traces reads it
+        clear = _poros_teardown(model)
+
+        def teardown() -> None:
+            if options.get("chunked_loss"):
+                set_trace_options(model, {"chunked_loss": False})  # the next row computes HF's loss again
+            clear()
+
         return Runner(torch.compile(model, backend="poros", options={"block_size": block_size or 1, **options}),
-                      teardown=_poros_teardown(model),
-                      micro_batches=lambda batches: block_major(model, batches))
+                      teardown=teardown, micro_batches=lambda batches: block_major(model, batches))
 
     return setup
 
@@ -121,6 +130,8 @@ _poros_inductor = _poros_with(codegen="inductor")
 _poros_tensor_copies = _poros_with(group_copies=False)
 _poros_prefetch1 = _poros_with(prefetch=1)
 _poros_micro_major = _poros_with(block_major=False)
+_poros_chunked_loss = _poros_with(chunked_loss=True)
+_poros_long = _poros_with(chunked_loss=True, offload_boundaries=True)
 
 
 def _poros_budget(model: nn.Module, block_size: int | None, memory_budget: str | None = None) -> Runner:
@@ -165,6 +176,11 @@ METHODS: Mapping[str, Method] = types.MappingProxyType({
     # accumulation micro-batch after micro-batch, each copying the base (the default runs them block-major)
     "poros_micro_major": Method("poros_micro_major", "prepared", _poros_micro_major, compiled=True, streams=True,
                                 per_block_size=True),
+    # long sequences (poros_fx/loss.py, passes/offload.py): the head and loss in vocabulary chunks, and with
+    # them the boundary activations in host memory (32B seq 8192, 72B seq 4096: --seqs 8192 / 4096)
+    "poros_chunked_loss": Method("poros_chunked_loss", "prepared", _poros_chunked_loss, compiled=True, streams=True,
+                                 per_block_size=True),
+    "poros_long": Method("poros_long", "prepared", _poros_long, compiled=True, streams=True, per_block_size=True),
     # a fixed prefetch depth of 1 against the default "auto" (opt-in, for A/B runs)
     "poros_prefetch1": Method("poros_prefetch1", "prepared", _poros_prefetch1, compiled=True, streams=True,
                               per_block_size=True),
