@@ -27,6 +27,7 @@ it computes the loss with this same function (``tests/test_chunked_loss.py`` doe
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -133,8 +134,12 @@ def install(lm: nn.Module, decoder: str, rows: Rows | None,
     ``chunked_causal_lm_loss`` over ``chunks`` with ``rows`` (``None``: the head cannot be chunked, and
     asking for it raises), and returns ``logits=None``; otherwise its own forward. Returns the undo."""
     original = type(lm)
-    lm.__class__ = type(original.__name__, (original,), {"__module__": original.__module__,
-                                                         "forward": _causal_lm_forward})
+
+    @functools.wraps(original.forward)  # its signature: the Trainer keeps the dataset columns it names
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return _causal_lm_forward(self, *args, **kwargs)
+
+    lm.__class__ = type(original.__name__, (original,), {"__module__": original.__module__, "forward": forward})
     lm._poros_lm_class = original
     lm._poros_lm_params = tuple(inspect.signature(original.forward).parameters)[1:]  # positional names, self dropped
     lm._poros_decoder = decoder
