@@ -15,6 +15,7 @@ from .block_partition import block_partition
 from .lower_matmul_4bit import lower_matmul_4bit
 from .lower_regions import lower_regions
 from .lower_rng import lower_rng
+from .offload import offload
 from .prefetch import prefetch
 from .recompute import recompute
 from .residency import residency
@@ -22,8 +23,8 @@ from .rng import rng
 
 JOINT_PASSES = (block_partition, recompute)
 INFERENCE_PASSES = (block_partition,)
-GRAPH_PASSES = (lower_matmul_4bit, rng, lower_rng, lower_regions, prefetch, residency)
+GRAPH_PASSES = (lower_matmul_4bit, rng, lower_rng, lower_regions, prefetch, residency, offload)
 REGION_PASSES = (lower_matmul_4bit,)
 
 __all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "REGION_PASSES", "block_partition", "lower_matmul_4bit",
-           "lower_regions", "lower_rng", "prefetch", "recompute", "residency", "rng"]
+           "lower_regions", "lower_rng", "offload", "prefetch", "recompute", "residency", "rng"]

@@ -32,9 +32,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from poros_fx.compiler.ops import LOAD
 from poros_fx.compiler.schedule import Schedule
+from poros_fx.loss import CHUNK, SAVE
 
 from .block_partition import BLOCK, FORWARD
 from .prefetch import chunk_of
+
+BOUNDARY = "poros_boundary"  # meta of the clone that carries a block's output to later blocks
 from .residency import aliases
 
 
@@ -45,16 +48,23 @@ def recompute(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     # A chunked head: its backward reads each weight chunk once more (dlogits_c @ W_c), after the loss
     # backward has read all the logits. Recomputing the logits would need every chunk loaded at once, so
     # only the chunk loads (their host slices and views) are recomputed; the min-cut saves the logits.
-    chunked = {ld.meta[BLOCK] for ld in loads if chunk_of(ld) is not None}
+    chunked_loss = {n.meta[BLOCK] for n in gm.graph.nodes if n.meta.get(FORWARD) and _loss_tag(n) is not None}
+    chunked = {ld.meta[BLOCK] for ld in loads if chunk_of(ld) is not None} - chunked_loss
     reloaded = {a for ld in loads if ld.meta[BLOCK] in chunked for a in (*aliases(ld), *ld.all_input_nodes)}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.meta.get(FORWARD):
             if n.meta[BLOCK] in chunked and n not in reloaded:
                 continue
-            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            save = _loss_tag(n) == SAVE
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE
             n.meta["ac_graph_id"] = n.meta[BLOCK] + 1
     _save_block_outputs(gm)
     return gm
+
+
+def _loss_tag(n: fx.Node) -> object:
+    """The chunked loss's annotation of ``n`` (``loss.py``), or ``None``."""
+    return (n.meta.get("custom") or {}).get(CHUNK)
 
 
 def _save_block_outputs(gm: fx.GraphModule) -> None:
@@ -80,6 +90,6 @@ def _save_block_outputs(gm: fx.GraphModule) -> None:
             continue
         with gm.graph.inserting_after(n):
             saved = gm.graph.call_function(torch.ops.aten.clone.default, (n,))
-        saved.meta = {**n.meta, "recompute": CheckpointPolicy.MUST_SAVE}
+        saved.meta = {**n.meta, "recompute": CheckpointPolicy.MUST_SAVE, BOUNDARY: True}
         for user in later:
             user.replace_input_with(n, saved)

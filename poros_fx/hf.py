@@ -32,7 +32,7 @@ from torch import nn
 
 from .runtime.lengths import mark_dynamic
 from .errors import PorosConfigError
-from .options import PorosOptions
+from .options import PorosOptions, set_trace_options
 from .prepare import AUTO, CHECKPOINTING_MESSAGE, ENTRY_ATTR, get_store, prepare
 from .runtime import accumulate as accumulation
 
@@ -41,7 +41,7 @@ class PorosTrainer(transformers.Trainer):
     """``transformers.Trainer`` with the model's forward compiled by the ``poros`` backend.
 
     ``poros_options``: the backend's ``options`` (``block_size``, ``prefetch``, ``stream``, ``dump``,
-    ``codegen``, ``memory_budget``) plus ``device``, the compute device for ``poros_fx.prepare`` (default: ``args.device``). A model
+    ``codegen``, ``memory_budget``, ``chunked_loss``, ``offload_boundaries``) plus ``device``, the compute device for ``poros_fx.prepare`` (default: ``args.device``). A model
     that is not prepared yet is prepared with ``device``, ``block_size`` and ``prefetch`` (default 1
     and ``"auto"``); a prepared one keeps its store, and ``block_size`` / ``prefetch`` here regroup the
     compiled graph only. Under ``torchrun`` / ``accelerate launch`` (``args.world_size > 1``) the host store
@@ -93,6 +93,7 @@ class PorosTrainer(transformers.Trainer):
         cached = self._poros_compiled
         if cached is not None and cached[0] is model and cached[1] is store:
             return cached[2]
+        set_trace_options(inner, self.poros_options)  # what the model's forward reads while Dynamo traces it
         wrapper = torch.compile(model, backend="poros", options=dict(self.poros_options))
         self._poros_compiled = (model, store, wrapper)
         return wrapper

@@ -7,7 +7,8 @@ import os
 from typing import Any
 
 from .errors import PorosConfigError
-from .prepare import check_block_options, check_codegen
+from .loss import set_chunked_loss
+from .prepare import causal_lm, check_block_options, check_codegen, unwrap
 
 DUMP_ENV = "POROS_FX_DUMP"
 
@@ -24,6 +25,10 @@ class PorosOptions:
     memory_budget: int | str | None = None  # device bytes the step may use ("24GB"); None: what prepare() was given
     block_major: bool | None = None  # an accumulation step's micro-batches go through each block together
     # (runtime/accumulate.py); None: what prepare() was given (default True)
+    chunked_loss: bool | None = None  # head + loss in vocabulary chunks (loss.py); None: what the model has
+    # (prepare(chunked_loss=...)); the model's forward reads it, so it must be set before tracing (set_trace_options)
+    offload_boundaries: bool | None = None  # saved block outputs wait in host memory (passes/offload.py);
+    # None: what prepare() was given (default False)
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "PorosOptions":
@@ -42,8 +47,17 @@ class PorosOptions:
         for name in ("stream", "group_copies", "turnaround"):
             if not isinstance(getattr(opts, name), bool):
                 raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")
-        if opts.block_major is not None and not isinstance(opts.block_major, bool):
-            raise PorosConfigError(f"block_major must be True or False, got {opts.block_major!r}")
+        for name in ("block_major", "chunked_loss", "offload_boundaries"):
+            if getattr(opts, name) is not None and not isinstance(getattr(opts, name), bool):
+                raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")
         if opts.dump is None and os.environ.get(DUMP_ENV):
             opts = dataclasses.replace(opts, dump=os.environ[DUMP_ENV])
         return opts
+
+
+def set_trace_options(model: Any, options: dict[str, Any]) -> None:
+    """Apply the options the model's own forward reads while Dynamo traces it (``chunked_loss``) to the
+    prepared ``model``, before it is compiled; the backend checks that they match (``@poros_fx.step``,
+    ``PorosTrainer``, ``poros-fx train`` call this)."""
+    if options.get("chunked_loss") is not None:
+        set_chunked_loss(causal_lm(unwrap(model)), options["chunked_loss"])

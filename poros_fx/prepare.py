@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import attention
+from . import attention, loss
 from .adapter_hooks import follow
 from .compiler import ops
 from .compiler.regions import CODEGENS, RegionTable, layer_forward, mode_modules
@@ -148,6 +148,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
             prefetch: int | str = AUTO,
             *, family: Family | str | None = None, head_chunks: int | None = None, codegen: str | None = None,
             regions: bool = True, memory_budget: int | str | None = None, block_major: bool = True,
+            chunked_loss: bool = False, offload_boundaries: bool = False,
             _arena: HostArena | None = None) -> nn.Module:
     """Move the frozen base of ``model`` into a host store; returns ``model`` (changed in place).
 
@@ -175,10 +176,16 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     ``block_major``: gradient accumulation inside ``poros_fx.block_major`` (``@poros_fx.step(accumulate=N)``,
     ``PorosTrainer``, ``poros-fx train --accumulate``) runs each block for all micro-batches of the step
     while it is loaded (``runtime/accumulate.py``); ``False``: micro-batch after micro-batch.
+    ``chunked_loss``: a training forward with ``labels`` computes the head and the loss a vocabulary
+    chunk at a time (``loss.py``: never the whole logits; ``logits`` is ``None`` in its output; the loss is
+    not bitwise HF's, see there). ``offload_boundaries``: the hidden states saved between blocks for the
+    backward wait in host memory (``passes/offload.py``).
     """
     check_block_options(block_size, prefetch)
-    if not isinstance(block_major, bool):
-        raise PorosConfigError(f"block_major must be True or False, got {block_major!r}")
+    for name, value in (("block_major", block_major), ("chunked_loss", chunked_loss),
+                        ("offload_boundaries", offload_boundaries)):
+        if not isinstance(value, bool):
+            raise PorosConfigError(f"{name} must be True or False, got {value!r}")
     from .runtime.budget import parse_size
 
     budget = parse_size(memory_budget)
@@ -203,7 +210,8 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
 
     names = block_names(len(layers), block_size)
     store = HostStore(device=device, block_size=block_size, prefetch=prefetch, family=fam, block_names=names,
-                      codegen=codegen or default_codegen(device), memory_budget=budget, block_major=block_major)
+                      codegen=codegen or default_codegen(device), memory_budget=budget, block_major=block_major,
+                      offload_boundaries=offload_boundaries)
     block_of = module_blocks(fam, len(layers), block_size)
     attention_undo = attention.use(config)  # SDPA as eager calls it, also under torch.compile
     if attention_undo is not None:
@@ -237,16 +245,23 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     store.arena = _arena if _arena is not None else HostArena(needed)
     head = lm.get_output_embeddings() if callable(getattr(lm, "get_output_embeddings", None)) else None
     chunked_head = None
+    loss_rows = loss_chunks = None
     if head is not None and type(head).forward is nn.Linear.forward and not head.weight.requires_grad:
         count = head_chunk_count(head.weight.numel() * head.weight.element_size(), head.out_features, head_chunks)
         if count > 1:
             chunked_head = head
-            bounds = [round(i * head.out_features / count) for i in range(count + 1)]
-            head._poros_row_chunks = tuple(zip(bounds[:-1], bounds[1:]))
+            head._poros_row_chunks = loss.row_chunks(head.out_features, count)
             store.head_chunks = count
+        if loss.chunkable_head(head):
+            loss_rows = _head_rows(head)
+            loss_chunks = (head._poros_row_chunks if head_chunks is not None and count > 1 else
+                           loss.row_chunks(head.out_features, loss.loss_chunk_count(head.out_features, count)))
     elif head_chunks not in (None, 1):
         raise PorosConfigError(f"head_chunks={head_chunks!r}: this model's output layer is not a frozen nn.Linear "
                                f"({type(head).__name__}); it can only be loaded whole")
+    if chunked_loss and loss_rows is None:
+        raise PorosConfigError(f"chunked_loss=True: this model's output layer ({type(head).__name__}) is not a frozen "
+                               "nn.Linear, so its logits cannot be computed a row range at a time")
     classes: dict[tuple[type, bool], type] = {}
     for mod_name, module, frozen in owners:
         if _is_linear4bit(module):
@@ -265,6 +280,8 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
         store.undo.append(lambda module=module, original=original: _restore_class(module, original))
     if regions:
         _make_regions(store, layers)
+    store.undo.append(loss.install(lm, fam.layers.rpartition(".")[0], loss_rows, loss_chunks or (), chunked_loss))
+    store.lm_ref = weakref.ref(lm)
     if device.type == "cuda":
         store.arena.pin()  # one exact-size page-locked range (see runtime/arena.py)
     setattr(model, STORE_ATTR, store)
@@ -557,15 +574,23 @@ def _embedding_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     return ops.gather(self._parameters["weight"], input, self._poros_device)
 
 
+def _head_rows(head: nn.Module) -> loss.Rows:
+    """``rows(start, stop)`` of a prepared head: its weight's (and a frozen bias's) rows loaded from the
+    host store, a trainable bias sliced."""
+    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        weight, bias, device = head._parameters["weight"], head._parameters.get("bias"), head._poros_device
+        b = None if bias is None else bias[start:stop] if bias.requires_grad else ops.load(bias[start:stop], device)
+        return ops.load(weight[start:stop], device), b
+
+    return rows
+
+
 def _chunked_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` with the weight loaded in row chunks: each chunk's rows are loaded, give
     their slice of the output features, and are dead before the next chunk's matmul."""
-    weight, bias, device = self._parameters["weight"], self._parameters.get("bias"), self._poros_device
-    outs = []
-    for start, stop in self._poros_row_chunks:
-        b = None if bias is None else bias[start:stop] if bias.requires_grad else ops.load(bias[start:stop], device)
-        outs.append(torch.nn.functional.linear(x, ops.load(weight[start:stop], device), b))
-    return torch.cat(outs, dim=-1)
+    rows = _head_rows(self)
+    return torch.cat([torch.nn.functional.linear(x, *rows(start, stop)) for start, stop in self._poros_row_chunks],
+                     dim=-1)
 
 
 def _linear4bit_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from torch import nn
 
 from .runtime.lengths import mark_dynamic
 from .errors import PorosConfigError
-from .options import PorosOptions
+from .options import PorosOptions, set_trace_options
 from .prepare import AUTO, check_no_checkpointing, get_store, prepare
 from .runtime import accumulate as accumulation
 
@@ -64,7 +64,8 @@ class PorosStep(Generic[P, R]):
     def __init__(self, fn: Callable[P, R], *, accumulate: int | None = None, block_size: int | None = None,
                  prefetch: int | str | None = None, stream: bool = True, dump: str | None = None,
                  codegen: str | None = None, device: str | torch.device | None = None,
-                 memory_budget: int | str | None = None, block_major: bool | None = None) -> None:
+                 memory_budget: int | str | None = None, block_major: bool | None = None,
+                 chunked_loss: bool | None = None, offload_boundaries: bool | None = None) -> None:
         if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
             raise PorosConfigError(f"accumulate must be an integer >= 1 (micro-batches per call), got {accumulate!r}")
         options: dict[str, Any] = {"stream": stream}
@@ -80,6 +81,10 @@ class PorosStep(Generic[P, R]):
             options["memory_budget"] = memory_budget
         if block_major is not None:
             options["block_major"] = block_major
+        if chunked_loss is not None:
+            options["chunked_loss"] = chunked_loss
+        if offload_boundaries is not None:
+            options["offload_boundaries"] = offload_boundaries
         PorosOptions.from_dict(options)  # bad options raise here, at decoration, not at the first step
         functools.update_wrapper(self, fn)
         self.fn = fn
@@ -125,6 +130,7 @@ class PorosStep(Generic[P, R]):
         else:  # prepare checked an unprepared model; this one may have had checkpointing switched on since
             check_no_checkpointing(inner)
         store = get_store(inner)
+        set_trace_options(inner, self.options)  # what the model's forward reads while Dynamo traces it
         wrapper = torch.compile(module, backend="poros", options=dict(self.options))
         # written to __dict__ directly: nn.Module.__setattr__ would register the wrapper as a submodule.
         # Keyed by this decorator so re-compiling (after a re-prepare) replaces the stale wrapper.
@@ -237,19 +243,23 @@ def step(fn: Callable[P, R], /) -> PorosStep[P, R]: ...
 def step(*, accumulate: int | None = None, block_size: int | None = None, prefetch: int | str | None = None,
          stream: bool = True, dump: str | None = None, codegen: str | None = None,
          device: str | torch.device | None = None, memory_budget: int | str | None = None,
-         block_major: bool | None = None) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
+         block_major: bool | None = None, chunked_loss: bool | None = None,
+         offload_boundaries: bool | None = None) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
 
 
 def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, block_size: int | None = None,
          prefetch: int | str | None = None, stream: bool = True, dump: str | None = None, codegen: str | None = None,
          device: str | torch.device | None = None, memory_budget: int | str | None = None,
-         block_major: bool | None = None) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
+         block_major: bool | None = None, chunked_loss: bool | None = None,
+         offload_boundaries: bool | None = None) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
     """Decorate a training-step function so its model arguments are streamed by poros.
 
     ``@step`` or ``@step(accumulate=N, block_size=..., prefetch=..., stream=..., dump=..., codegen=...,
     device=..., memory_budget=..., block_major=...)``. ``block_size``, ``prefetch``, ``stream``, ``dump``,
     ``codegen`` (``"inductor"`` | ``"eager"``), ``memory_budget`` (``"24GB"``: blocks that fit stay resident,
-    ``runtime/budget.py``) and ``block_major`` are the backend's ``options``; ``device`` (and
+    ``runtime/budget.py``), ``block_major``, ``chunked_loss`` (head and loss in vocabulary chunks, set on the
+    model before it is traced: ``poros_fx/loss.py``) and ``offload_boundaries`` (saved block outputs in host
+    memory: ``passes/offload.py``) are the backend's ``options``; ``device`` (and
     ``block_size`` / ``prefetch``) go to ``poros_fx.prepare`` for a model that is not prepared yet
     (unset: prepare's defaults, ``block_size=1``, ``prefetch="auto"``).
     With ``accumulate=N`` the call takes a list of N micro-batches and returns the list of the N
@@ -274,7 +284,7 @@ def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, 
     def decorate(f: Callable[P, R]) -> PorosStep[P, R]:
         return PorosStep(f, accumulate=accumulate, block_size=block_size, prefetch=prefetch, stream=stream,
                          dump=dump, codegen=codegen, device=device, memory_budget=memory_budget,
-                         block_major=block_major)
+                         block_major=block_major, chunked_loss=chunked_loss, offload_boundaries=offload_boundaries)
 
     if fn is not None:
         if not callable(fn):

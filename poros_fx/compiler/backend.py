@@ -111,6 +111,17 @@ def _warn_split_layers(gm: fx.GraphModule, store: HostStore, schedule: Schedule)
                   "Warned once per prepared model.", stacklevel=2)
 
 
+def _check_chunked_loss(opts: PorosOptions, store: HostStore) -> None:
+    """``options={"chunked_loss": ...}`` must be what the model's forward was traced with: it changes the
+    Python Dynamo traces (the loss, ``logits=None``), and the backend only sees the graph after that."""
+    traced = store.chunked_loss()
+    if opts.chunked_loss is not None and opts.chunked_loss != traced:
+        raise PorosConfigError(f"options={{'chunked_loss': {opts.chunked_loss}}}, but this step was traced with "
+                               f"chunked_loss={traced}: it changes the model's forward, which Dynamo traced before the "
+                               "backend saw the option. Set it on the model first: poros_fx.prepare(model, "
+                               "chunked_loss=...) (@poros_fx.step, PorosTrainer and poros-fx train do this for you)")
+
+
 def _source_line(stack_trace: str) -> str | None:
     """``file.py:123 (function): code`` of the innermost frame of a node's stack trace."""
     lines = stack_trace.strip().splitlines()
@@ -169,6 +180,8 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         auto_prefetch=requested == AUTO and opts.stream,
         layer_attr=store.family.layer_attr if store else "layers",
         codegen=opts.codegen or (store.codegen if store else "eager"),
+        offload_boundaries=(opts.offload_boundaries if opts.offload_boundaries is not None
+                            else bool(store and store.offload_boundaries)),
         store_ref=weakref.ref(store) if store is not None else None,
         dumper=dumper if dumper.enabled else None,
     )
@@ -180,6 +193,7 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
             if budget != store.memory_budget:
                 store.forget_plan()
                 store.memory_budget = budget
+        _check_chunked_loss(opts, store)
         store.schedules.append(schedule)
         _warn_inline_layers(gm, store, schedule)
     primals = (f"primals_{i}" for i in itertools.count(1))

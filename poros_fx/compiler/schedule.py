@@ -93,6 +93,8 @@ class Schedule:
     evicts: list[Evict] = dataclasses.field(default_factory=list)
     rng_slots: list[RngSlot] = dataclasses.field(default_factory=list)
     saved_boundaries: list[str] = dataclasses.field(default_factory=list)  # forward values the backward keeps
+    offload_boundaries: bool = False  # block outputs saved for the backward wait in host memory (passes/offload.py)
+    offloaded: list[str] = dataclasses.field(default_factory=list)  # of saved_boundaries: those offloaded
     runtime: Any = None  # runtime.executor.GraphRuntime of the graph being compiled
     auto_prefetch: bool = False  # options={"prefetch": "auto"}: the backward's depth is measured
     prefetch_note: str = ""  # how the backward's depth was chosen (auto)
@@ -143,6 +145,8 @@ class Schedule:
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         tail = f"\nsaved for backward ({len(self.saved_boundaries)}): {', '.join(self.saved_boundaries)}\n"
+        if self.offloaded:
+            tail += f"offloaded to host memory ({len(self.offloaded)}): {', '.join(self.offloaded)}\n"
         for r in self.regions.values():
             tail += (f"region {r.name} ({r.codegen}): blocks {_span([str(b) for b in sorted(r.blocks)])}, forward "
                      f"{r.forward_nodes} nodes, backward {r.backward_nodes} nodes, {r.saved} saved tensors, traced in "

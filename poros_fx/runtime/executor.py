@@ -253,6 +253,39 @@ class GraphRuntime:
             self._waited = done
         return loaded
 
+    def offload(self, saved: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``saved``, a boundary activation the backward reads (``passes/offload.py``): on
+        CUDA a page-locked tensor filled by the copy stream once the compute stream has made ``saved``
+        (the device memory is not reused before the copy read it); on the CPU a separate tensor."""
+        store = self.store
+        if saved.device.type == "cuda":
+            host = torch.empty_strided(saved.shape, saved.stride(), dtype=saved.dtype, pin_memory=True)
+            copy_stream = store.copy_stream()
+            copy_stream.wait_event(torch.cuda.current_stream(saved.device).record_event())
+            with torch.cuda.stream(copy_stream):
+                host.copy_(saved, non_blocking=True)
+            saved.record_stream(copy_stream)
+        else:
+            host = saved.clone()
+        store.ledger.offloads += 1
+        store.ledger.offloaded_bytes += nbytes(saved)
+        store.offloaded.append(weakref.ref(host))  # the step's host copies (tests tamper with them)
+        return host
+
+    def reload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``host`` (an ``offload``'s copy) back on ``device``; on CUDA copied on the copy stream (after the
+        offload's own copy: same stream) and waited for by ``wait`` before its first reader."""
+        out = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device=device)
+        if device.type == "cuda":
+            copy_stream = self.store.copy_stream()
+            copy_stream.wait_event(torch.cuda.current_stream(device).record_event())
+            with torch.cuda.stream(copy_stream):
+                out.copy_(host, non_blocking=True)
+            self._pending[id(out)] = copy_stream.record_event()
+        else:
+            out.copy_(host)
+        return out
+
     def _timing_event(self, stream: Any) -> Any:
         """A timing event recorded on ``stream`` while measuring, else ``None``."""
         if not self.measure:

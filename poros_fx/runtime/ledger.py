@@ -29,6 +29,8 @@ class ResidencyLedger:
     backward_runs: int = 0
     block_major_steps: int = 0  # accumulation steps whose micro-batches ran block-major (runtime/accumulate.py)
     block_major_micro_batches: int = 0  # the micro-batches of those steps
+    offloads: int = 0  # boundary activations copied to host memory for the backward (passes/offload.py)
+    offloaded_bytes: int = 0  # their bytes (each is copied back once, in the backward)
     step_peak: int = 0  # the peak since ``start_step`` (a memory budget's measurement window, runtime/budget.py)
 
     def on_load(self, nbytes: int) -> None:

@@ -95,6 +95,10 @@ class HostStore:
     # turn-around: a training forward's last blocks stay for the backward, which starts with them
     turnaround: dict[tuple[int, ...], list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # host ptrs -> copies
     stashed_ids: set[int] = dataclasses.field(default_factory=set)  # ids of those copies, booked, not yet evicted
+    offload_boundaries: bool = False  # the saved block outputs wait in host memory (options={"offload_boundaries": ...} wins)
+    lm_ref: Any = None  # weakref to the prepared *ForCausalLM module (its chunked-loss flag, loss.py)
+    offloaded: collections.deque[Any] = dataclasses.field(  # weak refs to the last steps' host copies of them
+        default_factory=lambda: collections.deque(maxlen=4096))
     block_major: bool = True  # accumulation steps run block-major (prepare's; options={"block_major": ...} wins)
     accumulation: Any = None  # runtime.accumulate.BlockMajorStep of the optimizer step in flight, if block-major
     block_major_warned: bool = False  # a step ran micro-batch-major instead and said why (once per model)
@@ -170,6 +174,11 @@ class HostStore:
                 "frozen base to the device and defeats streaming. prepare already put the adapter and everything "
                 "else on the compute device; do not move the model afterwards, or call poros_fx.unprepare(model) "
                 "first and prepare it again where it is.")
+
+    def chunked_loss(self) -> bool:
+        """Whether the model computes its training loss in vocabulary chunks now (``loss.py``)."""
+        lm = self.lm_ref() if self.lm_ref is not None else None
+        return bool(lm is not None and lm.__dict__.get("_poros_chunked_loss"))
 
     def pinned(self) -> bool:
         return self.arena is not None and self.arena.pinned

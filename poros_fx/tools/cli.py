@@ -176,11 +176,15 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
           accumulate: int = typer.Option(1, min=1, help="micro-batches per optimizer step (block-major: all in flight)"),
           lora_r: int = typer.Option(16, min=1, help="LoRA rank on every linear of a decoder layer"),
           memory_budget: Optional[str] = typer.Option(None, "--memory-budget", callback=_memory_budget,
-                                                      help="show the blocks a budget would keep resident")) -> None:
+                                                      help="show the blocks a budget would keep resident"),
+          chunked_loss: bool = typer.Option(False, help="estimate with the head and loss in vocabulary chunks"),
+          offload_boundaries: bool = typer.Option(False, help="estimate with the boundary activations in host "
+                                                  "memory")) -> None:
     """Family and its status, base bytes per block, the predicted resident peak of the base, an estimate
     of the step's device memory and, with --memory-budget, the plan it would make. No weights."""
     from ..errors import UnsupportedArchitectureError
     from ..families import resolve
+    from ..loss import loss_chunk_count
     from ..prepare import AUTO, head_chunk_count
     from ..runtime.depth import LIMIT
     from ..io.sizes import block_bytes
@@ -214,12 +218,14 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
                   f"{format_bytes((1 + ahead) * window)} (adapter, activations and logits come on top)"
                   + ("; prefetch auto loads one block ahead in the forward and deepens the backward only as far as "
                      f"half the free device memory allows (at most {LIMIT} blocks)" if prefetch == AUTO else ""))
+    loss_chunks = loss_chunk_count(config.vocab_size, chunks) if chunked_loss else None
     _check_step(config, family, names, sizes, (1 + ahead) * window, seq_len, batch_size, accumulate, lora_r,
-                memory_budget)
+                memory_budget, loss_chunks, offload_boundaries)
 
 
 def _check_step(config, family, names: list[str], sizes: list[int], window: int, seq_len: int, batch_size: int,
-                accumulate: int, lora_r: int, memory_budget: Optional[str]) -> None:
+                accumulate: int, lora_r: int, memory_budget: Optional[str], loss_chunks: Optional[int] = None,
+                offload_boundaries: bool = False) -> None:
     """``check``'s estimate of the step (tools/estimate.py) and, with a budget, the plan it would make."""
     from ..runtime.budget import estimate, parse_size
     from .estimate import lora_bytes, step_memory
@@ -227,12 +233,14 @@ def _check_step(config, family, names: list[str], sizes: list[int], window: int,
     from .tiny import lora_targets
 
     adapter = lora_bytes(config, family, lora_targets(config.model_type), lora_r)
-    est = step_memory(config, window, seq=seq_len, batch=batch_size, in_flight=accumulate, adapter_bytes=adapter)
+    est = step_memory(config, window, seq=seq_len, batch=batch_size, in_flight=accumulate, adapter_bytes=adapter,
+                      loss_chunks=loss_chunks, offload_boundaries=offload_boundaries)
     console.print(f"estimated device memory of a streamed step (seq {seq_len}, batch {batch_size}, "
                   f"{accumulate} micro-batch(es) in flight{', block-major' if accumulate > 1 else ''}, LoRA r{lora_r} on "
                   f"every linear): {format_bytes(est.total)} = base window {format_bytes(est.base_window)} + adapter, "
-                  f"gradients and AdamW {format_bytes(est.adapter)} + boundary activations {format_bytes(est.boundaries)} "
-                  f"+ logits {format_bytes(est.logits)} + one layer's recompute {format_bytes(est.layer)} (an estimate: "
+                  f"gradients and AdamW {format_bytes(est.adapter)} + boundary activations {format_bytes(est.boundaries)}"
+                  f"{' (offloaded: two on the device)' if offload_boundaries else ''} + logits {format_bytes(est.logits)}"
+                  f"{f' (chunked loss: one of {loss_chunks} vocabulary chunks)' if loss_chunks else ''} + one layer's recompute {format_bytes(est.layer)} (an estimate: "
                   "a memory budget plans from the first step's measured peak)", soft_wrap=True, highlight=False)
     if memory_budget is None:
         return
@@ -365,6 +373,10 @@ def train(ctx: typer.Context,
           block_major: bool = typer.Option(True, help="with --accumulate N, run each block for all N micro-batches "
                                            "while it is loaded (--no-block-major: one micro-batch after the other; "
                                            "the result is the same bits)"),
+          chunked_loss: bool = typer.Option(False, help="compute the head and the loss a vocabulary chunk at a time "
+                                            "(long sequences: never the whole logits; not bitwise HF's loss)"),
+          offload_boundaries: bool = typer.Option(False, help="keep the hidden states saved between blocks in host "
+                                                  "memory until the backward needs them"),
           seed: int = typer.Option(0, help="seeds the LoRA init, dropout, data order (and --from-config weights)"),
           metrics: bool = typer.Option(True, help="write OUT/metrics.jsonl (and TensorBoard events when tensorboard is "
                                        "installed)"),
@@ -414,7 +426,7 @@ _OPTION_NAMES = ("model", "from_config", "data", "out", "quantization", "lora_r"
                  "target_modules", "steps", "epochs", "lr", "weight_decay", "seq_len", "pack", "batch_size",
                  "accumulate", "block_size", "prefetch", "codegen", "device", "seed", "log_every", "save_every",
                  "memory_budget", "block_major", "warmup_steps", "schedule", "max_grad_norm", "eval_data", "eval_every",
-                 "save_total_limit", "train_on", "split", "metrics")
+                 "save_total_limit", "train_on", "split", "metrics", "chunked_loss", "offload_boundaries")
 
 
 # -- eval -------------------------------------------------------------------------------------------

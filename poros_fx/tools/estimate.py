@@ -9,9 +9,13 @@ plain product of sizes:
 * adapter: ``r x (in + out)`` fp32 values per LoRA target in every decoder layer, times four (the
   weights, their gradients, AdamW's two moments);
 * boundaries: one hidden state per decoder layer per micro-batch in flight (``batch x seq x hidden``
-  at 2 bytes; every micro-batch of the step when they run block-major);
+  at 2 bytes; every micro-batch of the step when they run block-major); with ``offload_boundaries``
+  they wait in host memory and two per micro-batch in flight are on the device (the one being copied
+  out or back and the one in use);
 * logits: ``batch x seq x vocab`` per micro-batch in flight at 2 bytes (bf16) and 4 (the fp32 values
-  the loss keeps), plus one micro-batch's fp32 gradient;
+  the loss keeps), plus one micro-batch's fp32 gradient; with ``chunked_loss`` one vocabulary chunk's
+  (``loss.py``: its bf16 and fp32 logits and their fp32 and bf16 gradients, 12 bytes a value) plus
+  one fp32 ``logsumexp`` per token and chunk for every micro-batch in flight;
 * one layer's recomputed activations: ``batch x seq x (8 x hidden + 4 x intermediate)`` at 2 bytes
   (attention in/out and the MLP's three wide tensors, dropout masks, LoRA inputs).
 
@@ -53,15 +57,22 @@ def lora_bytes(config: Any, family: Any, targets: list[str], r: int) -> int:
     return total
 
 
-def step_memory(config: Any, window: int, *, seq: int, batch: int, in_flight: int, adapter_bytes: int) -> StepMemory:
-    """The estimate for ``in_flight`` micro-batches held at once (block-major: the accumulation)."""
+def step_memory(config: Any, window: int, *, seq: int, batch: int, in_flight: int, adapter_bytes: int,
+                loss_chunks: int | None = None, offload_boundaries: bool = False) -> StepMemory:
+    """The estimate for ``in_flight`` micro-batches held at once (block-major: the accumulation);
+    ``loss_chunks``: the vocabulary chunks of a chunked loss (``None``: HF's loss over the whole logits)."""
     hidden, vocab = config.hidden_size, config.vocab_size
     intermediate = getattr(config, "intermediate_size", 4 * hidden)
     tokens = batch * seq
+    if loss_chunks is None:
+        logits = in_flight * tokens * vocab * (2 + 4) + tokens * vocab * 4
+    else:
+        logits = tokens * -(-vocab // loss_chunks) * (2 + 4 + 4 + 2) + in_flight * tokens * loss_chunks * 4
+    held = min(2, config.num_hidden_layers) if offload_boundaries else config.num_hidden_layers
     return StepMemory(
         base_window=window,
         adapter=4 * adapter_bytes,
-        boundaries=in_flight * config.num_hidden_layers * tokens * hidden * 2,
-        logits=in_flight * tokens * vocab * (2 + 4) + tokens * vocab * 4,
+        boundaries=in_flight * held * tokens * hidden * 2,
+        logits=logits,
         layer=tokens * (8 * hidden + 4 * intermediate) * 2,
     )

@@ -45,7 +45,8 @@ from ..families import resolve
 from ..io.data import TokenDataset, batches
 from ..io.loader import from_config as random_model
 from ..io.loader import load_pretrained
-from ..prepare import AUTO, get_store
+from ..options import set_trace_options
+from ..prepare import AUTO, causal_lm, get_store
 from ..runtime.accumulate import step_context
 from ..runtime.lengths import mark_dynamic
 from ..runtime.budget import parse_size
@@ -101,6 +102,8 @@ class TrainOptions:
     train_on: str = "completion"  # completion: assistant turns / completions; all: every token
     split: Optional[str] = None  # of a dataset folder or cached id
     metrics: bool = True  # OUT/metrics.jsonl (and TensorBoard when installed)
+    chunked_loss: bool = False  # head + loss in vocabulary chunks (poros_fx/loss.py)
+    offload_boundaries: bool = False  # saved block outputs in host memory (passes/offload.py)
 
     def check(self) -> None:
         """Refuse settings that cannot run, before anything is loaded."""
@@ -273,8 +276,10 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
                   f"trainable parameters)", soft_wrap=True, highlight=False)
     model.train()
     # several ranks: DDP with the host store ignored, all-reducing the adapter's gradients
+    options = {"block_major": o.block_major, "chunked_loss": o.chunked_loss, "offload_boundaries": o.offload_boundaries}
+    set_trace_options(model, options)
     step_model = torch.compile(distributed.data_parallel(model) if ranks.distributed else model, backend="poros",
-                               options={"block_major": o.block_major})
+                               options=options)
     optimizer = torch.optim.AdamW(trainable, lr=o.lr, weight_decay=o.weight_decay)
     losses: list[float] = []
     eval_losses: dict[int, float] = {}
@@ -291,6 +296,7 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
                   world_size=ranks.world_size, warmup_steps=o.warmup_steps, schedule=o.schedule,
                   max_grad_norm=o.max_grad_norm, eval_data=as_path(o.eval_data), eval_every=o.eval_every,
                   save_total_limit=o.save_total_limit, train_on=o.train_on, split=o.split, metrics=o.metrics,
+                  chunked_loss=o.chunked_loss, offload_boundaries=o.offload_boundaries,
                   model_sha256=_model_sha256(folder) if o.model is not None else None)
     metrics = MetricsLog(o.out, enabled=o.metrics and ranks.rank == 0) if o.out is not None else MetricsLog(Path("."),
                                                                                                           enabled=False)
@@ -304,7 +310,7 @@ _CONFIG_KEYS = ("model", "from_config", "data", "quantization", "lora_r", "lora_
                 "target_modules", "steps", "lr", "weight_decay", "seq_len", "pack", "batch_size", "accumulate",
                 "block_size", "prefetch", "codegen", "seed", "log_every", "save_every", "memory_budget", "block_major",
                 "warmup_steps", "schedule", "max_grad_norm", "eval_data", "eval_every", "save_total_limit", "train_on",
-                "split", "metrics")
+                "split", "metrics", "chunked_loss", "offload_boundaries")
 
 
 def _model_sha256(folder: Optional[Path]) -> Optional[str]:
@@ -325,7 +331,9 @@ def _check_budget(o: TrainOptions, session: Session) -> None:
         family = resolve(session.config.model_type)
         est = step_memory(session.config, window, seq=o.seq_len, batch=o.batch_size,
                           in_flight=o.accumulate if o.block_major else 1,
-                          adapter_bytes=lora_bytes(session.config, family, session.targets, o.lora_r))
+                          adapter_bytes=lora_bytes(session.config, family, session.targets, o.lora_r),
+                          loss_chunks=len(causal_lm(session.model)._poros_loss_chunks) if o.chunked_loss else None,
+                          offload_boundaries=o.offload_boundaries)
         need, what = est.total, "the streamed step's estimated device memory"
     else:  # on the CPU the budget counts base bytes only (runtime/budget.py)
         need, what = window, f"the streamed base window ((1 + prefetch {ahead}) x the largest block)"

@@ -8,6 +8,14 @@ alignment); every output of a region keeps the strides its trace gave it, becaus
 other graph (the backward, for a saved tensor) and the outer graph were made for those::
 
     output.meta["user_visible_output_idxs"] = [0, 1, ..., 52]     # all of them, not just the layer's output
+
+A region's graphs go through Inductor's FX graph cache (on disk, ``TORCHINDUCTOR_CACHE_DIR``), so a
+second process compiling the same layer structure loads the compiled code instead of lowering and
+compiling it again. Inductor bypasses the cache for a graph holding a ``cond`` (the attention's SDPA
+choice, traced as the higher-order op): ``cacheable_cond`` marks ``cond`` cacheable for the region's
+compile, keyed by the torch version. Its branches are subgraphs of the graph, so the cache key (the
+graph's code and its submodules') covers them; ``tests/test_compile_cache.py`` checks that a second
+process hits the cache and trains the same bits.
 """
 
 from __future__ import annotations
@@ -26,6 +34,16 @@ from .trace import Region, isolated
 logger = logging.getLogger("poros_fx")
 
 CODEGENS = ("inductor", "eager")
+
+
+def cacheable_cond() -> Any:
+    """Inductor's config with ``cond`` (``torch.ops.higher_order.cond``) allowed in the FX graph cache."""
+    from torch._higher_order_ops.cond import cond_op
+    from torch._inductor import config as inductor_config
+
+    name = f"{cond_op.__module__}.{cond_op.__name__}"
+    return inductor_config.patch(unsafe_marked_cacheable_functions={
+        **inductor_config.unsafe_marked_cacheable_functions, name: torch.__version__})
 
 
 def compile_region(region: Region, codegen: str, draws_of: Callable[[fx.GraphModule], list[Any]]) -> None:
@@ -87,11 +105,14 @@ def _inductor(region: Region, gm: fx.GraphModule, draws_of: Callable[[fx.GraphMo
 
     mode = region.mode
     inputs = [p.meta["val"] for p in gm.graph.find_nodes(op="placeholder")]
-    with isolated(), tracing(TracingContext(mode)), V.set_fake_mode(mode):
+    with isolated(), tracing(TracingContext(mode)), V.set_fake_mode(mode), cacheable_cond():
         with mode:
             decomposed = make_fx(gm, decomposition_table=select_decomp_table(),
                                  tracing_mode="symbolic" if region.signature.dynamic else "real")(*inputs)
         decomposed = joint_graph_passes(decomposed)
         draws = draws_of(decomposed)  # before compile_fx_inner, which changes the graph
         keep_output_strides(decomposed)
+        # make_fx's symbolic trace leaves its ShapeEnv on the module; the FX graph cache cannot key on it (it
+        # reads the fake mode's ShapeEnv, the same object) and would bypass the cache
+        decomposed.__dict__["shape_env"] = None  # Inductor then takes it from the inputs' fake tensors
         return compile_fx_inner(decomposed, inputs, is_backward=is_backward, is_inference=inference), draws

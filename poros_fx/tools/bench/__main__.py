@@ -1,0 +1,7 @@
+"""``python -m poros_fx.tools.bench``."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,61 @@
+"""``python -m poros_fx.tools.bench``: the bench's command line."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Sequence
+
+import torch
+
+from . import __doc__ as PACKAGE_DOC
+from .config import (DEFAULT_ACCUMS, DEFAULT_BLOCK_SIZES, DEFAULT_METHODS, DEFAULT_MODELS, DEFAULT_SEQS,
+                     NO_CUDA_MESSAGE, make_config)
+from .methods import METHODS
+from .run import run
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m poros_fx.tools.bench", description=PACKAGE_DOC.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated: tiny, 0.5b, 7b, 32b, 72b")
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated: {', '.join(METHODS)}")
+    p.add_argument("--block-sizes", default=DEFAULT_BLOCK_SIZES, help="poros block sizes (one row each)")
+    p.add_argument("--seqs", default=DEFAULT_SEQS, help="sequence lengths; the first is the base")
+    p.add_argument("--accums", default=DEFAULT_ACCUMS, help="gradient accumulation; the first is the base")
+    p.add_argument("--grid", default="star", choices=("star", "full"),
+                   help="star: base pair + each other seq / accum alone; full: every pair")
+    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps per row")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (the first compiles)")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", default="poros-bench.json", help="results; merged into when it exists")
+    p.add_argument("--md", default=None, help="markdown table (default: JSON path with .md)")
+    p.add_argument("--plot", default=None, help="PNG plot (default: JSON path with .png)")
+    p.add_argument("--time-budget", type=float, default=None, help="seconds; no new row starts after them")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="profile one extra step per row: Chrome trace into DIR, summary into the row's 'profile'")
+    p.add_argument("--memory-budget", default=None, help="poros_budget's memory_budget (e.g. 24GB)")
+    p.add_argument("--compiled-resident", action="store_true",
+                   help="add compiled_resident (plain torch.compile/Inductor; 0.5B and 7B only)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m poros_fx.tools.bench``; returns the exit status (2: no CUDA without --device cpu, bad options)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(NO_CUDA_MESSAGE, file=sys.stderr)
+        return 2
+    try:
+        config = make_config(models=args.models, methods=args.methods, block_sizes=args.block_sizes, seqs=args.seqs,
+                             accums=args.accums, grid=args.grid, steps=args.steps, warmup=args.warmup,
+                             device=args.device, json_path=args.json, md_path=args.md, plot_path=args.plot,
+                             time_budget=args.time_budget, compiled_resident=args.compiled_resident,
+                             profile_dir=args.profile, memory_budget=args.memory_budget,
+                             command=shlex.join(["python", "-m", "poros_fx.tools.bench", *argv]))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run(config)
+    return 0

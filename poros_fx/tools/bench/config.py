@@ -1,0 +1,148 @@
+"""The bench's choices (models, methods, grid) checked, and the rows they plan."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Literal, Mapping
+
+from .methods import METHODS, Method, State
+
+NO_CUDA_MESSAGE = "poros-fx bench needs a CUDA GPU; use --device cpu --models tiny for a smoke run"
+SIZES = ("0.5b", "7b", "32b", "72b")
+MODEL_ORDER = ("tiny", *(f"qwen2.5-{s}" for s in SIZES))
+DEFAULT_MODELS = "0.5b,7b,32b,72b"
+DEFAULT_METHODS = "peft_resident,peft_checkpointing,poros,poros_resident"
+DEFAULT_BLOCK_SIZES = "1,2,4"
+DEFAULT_SEQS = "512,2048"
+DEFAULT_ACCUMS = "1,4"
+ROW_KEY = ("model", "method", "block_size", "seq", "accum")
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    models: tuple[str, ...] = tuple(DEFAULT_MODELS.split(","))
+    methods: tuple[str, ...] = tuple(DEFAULT_METHODS.split(","))
+    block_sizes: tuple[int, ...] = (1, 2, 4)
+    seqs: tuple[int, ...] = (512, 2048)
+    accums: tuple[int, ...] = (1, 4)
+    grid: Literal["star", "full"] = "star"
+    steps: int = 10
+    warmup: int = 1
+    device: str = "cuda"
+    json_path: Path = Path("poros-bench.json")
+    md_path: Path | None = None  # None: the JSON path with .md
+    plot_path: Path | None = None  # None: the JSON path with .png
+    time_budget: float | None = None  # seconds; no new row starts after it
+    compiled_resident: bool = False  # add compiled_resident (0.5B/7B/tiny only)
+    profile_dir: Path | None = None  # one more step per row under torch.profiler: trace here, summary in the row
+    batch: int = 1
+    seed: int = 0
+    command: str = ""  # the command line, for the markdown
+    memory_budget: str | None = None  # poros_budget's options={"memory_budget": ...}
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--{what} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"--{what} must list integers >= 1, got {text!r}")
+    return values
+
+
+def model_name(name: str) -> str:
+    """``7b`` / ``qwen2.5-7b`` -> ``qwen2.5-7b``; ``tiny`` stays."""
+    key = name.strip().lower()
+    if key == "tiny":
+        return key
+    key = key.removeprefix("qwen2.5-")
+    if key not in SIZES:
+        raise ValueError(f"unknown model {name!r}; known: tiny, {', '.join(SIZES)} (or qwen2.5-SIZE)")
+    return f"qwen2.5-{key}"
+
+
+def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
+                block_sizes: str = DEFAULT_BLOCK_SIZES, seqs: str = DEFAULT_SEQS, accums: str = DEFAULT_ACCUMS,
+                grid: str = "star", steps: int = 10, warmup: int = 1, device: str = "cuda",
+                json_path: str | Path = "poros-bench.json", md_path: str | Path | None = None,
+                plot_path: str | Path | None = None, time_budget: float | None = None,
+                compiled_resident: bool = False, profile_dir: str | Path | None = None, command: str = "",
+                memory_budget: str | None = None, known_methods: Mapping[str, Method] = METHODS) -> BenchConfig:
+    """A checked ``BenchConfig`` from the command-line strings (shared by the CLI and ``main``)."""
+    method_names = tuple(m.strip() for m in methods.split(",") if m.strip())
+    if compiled_resident and "compiled_resident" not in method_names:
+        method_names += ("compiled_resident",)
+    unknown = [m for m in method_names if m not in known_methods]
+    if unknown or not method_names:
+        raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(known_methods)}")
+    if grid not in ("star", "full"):
+        raise ValueError(f"--grid must be star or full, got {grid!r}")
+    if steps < 1 or warmup < 1:
+        raise ValueError("--steps and --warmup must be >= 1 (the first step compiles; it is never timed)")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if any(known_methods[m].budget for m in method_names):
+        if memory_budget is None:
+            raise ValueError("poros_budget needs --memory-budget (e.g. 24GB)")
+        from ...runtime.budget import parse_size
+        from ...errors import PorosConfigError
+
+        try:
+            parse_size(memory_budget)
+        except PorosConfigError as e:
+            raise ValueError(str(e)) from None
+    json_path = Path(json_path)
+    return BenchConfig(models=tuple(model_name(m) for m in models.split(",") if m.strip()), methods=method_names,
+                       block_sizes=_ints(block_sizes, "block-sizes"), seqs=_ints(seqs, "seqs"),
+                       accums=_ints(accums, "accums"), grid=grid, steps=steps, warmup=warmup,  # type: ignore[arg-type]
+                       device=device, json_path=json_path, md_path=Path(md_path) if md_path else None,
+                       plot_path=Path(plot_path) if plot_path else None, time_budget=time_budget,
+                       compiled_resident=compiled_resident, profile_dir=Path(profile_dir) if profile_dir else None,
+                       command=command, memory_budget=memory_budget)
+
+
+def shapes(config: BenchConfig) -> list[tuple[int, int]]:
+    """The (seq, accum) pairs of the grid, the base pair first."""
+    if config.grid == "full":
+        return [(s, a) for s in config.seqs for a in config.accums]
+    base_seq, base_accum = config.seqs[0], config.accums[0]
+    return ([(base_seq, base_accum)] + [(s, base_accum) for s in config.seqs[1:]]
+            + [(base_seq, a) for a in config.accums[1:]])
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSpec:
+    model: str
+    method: str
+    block_size: int | None
+    seq: int
+    accum: int
+
+    def key(self) -> tuple:
+        return (self.model, self.method, self.block_size, self.seq, self.accum)
+
+
+def plan(config: BenchConfig, methods: Mapping[str, Method] = METHODS) -> tuple[list[RowSpec], list[str]]:
+    """Every row to run, per model, and notes on the rows skipped. Within a (seq, accum) pair the rows
+    of one model state run together, alternating which state comes first so each model switches
+    state at most once per pair."""
+    rows: list[RowSpec] = []
+    notes: list[str] = []
+    for model in config.models:
+        chosen = []
+        for name in config.methods:
+            m = methods[name]
+            if m.models is not None and model not in m.models:
+                notes.append(f"{name} skipped for {model} (only {', '.join(m.models)})")
+                continue
+            chosen.append(m)
+        for i, (seq, accum) in enumerate(shapes(config)):
+            order: tuple[State, State] = ("prepared", "resident") if i % 2 == 0 else ("resident", "prepared")
+            for state in order:
+                for m in (m for m in chosen if m.state == state):
+                    for bs in (config.block_sizes if m.per_block_size else (None,)):
+                        rows.append(RowSpec(model, m.name, bs, seq, accum))
+    return rows, notes
+

@@ -1,0 +1,66 @@
+"""Compile once, then cached: a second process loads a region's Inductor code from the FX graph cache.
+
+Two processes share one ``TORCHINDUCTOR_CACHE_DIR``. The first compiles the layer's region (cache
+misses), the second finds both of its graphs in the cache (``fxgraph_cache_hit``) and trains the
+same bits. Each process also checks the chunked loss under the Inductor codegen: streamed ==
+``stream=False`` (tests/test_long_sequences.py has the eager codegen and the eager loop).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+SCRIPT = textwrap.dedent("""
+    import hashlib, json, torch
+    import poros_fx
+    from torch._dynamo.utils import counters
+    from poros_fx.tools.parity import compare, train
+    from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+
+    torch.set_num_threads(1)
+
+    def run(stream):
+        model = tiny_lora_model("qwen2", dropout=0.1, layers=2, vocab=256)
+        poros_fx.prepare(model, device="cpu", codegen="inductor", head_chunks=3, chunked_loss=True)
+        compiled = torch.compile(model, backend="poros", options={"stream": stream})
+        return train(model, compiled, demo_batches(2, vocab=256, seq=24, batch=2, seed=7)), model
+
+    streamed, model = run(True)
+    resident, _ = run(False)
+    digest = hashlib.sha256()
+    for t in [*streamed.losses, *streamed.grad_norms, *streamed.weights[-1]]:
+        digest.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    region = poros_fx.stats(model)["regions"][0]
+    print(json.dumps({"cache": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
+                      "exact": all(v == 0.0 for v in compare(streamed, resident).values()),
+                      "digest": digest.hexdigest(), "trace_s": region["trace_s"],
+                      "compile_s": region["compile_s"]["inductor"]}))
+""")
+
+
+def _process(cache: Path) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_second_process_hits_the_region_cache_and_trains_the_same_bits(tmp_path):
+    cold = _process(tmp_path / "inductor-cache")
+    warm = _process(tmp_path / "inductor-cache")
+    assert cold["exact"] and warm["exact"]  # chunked loss, Inductor codegen: streamed == stream=False
+    # each process prepares two models, each with its region (a forward and a backward graph): the cold
+    # process compiles the first and finds the second in the cache, the warm one finds all four
+    assert cold["cache"].get("fxgraph_cache_miss") == 2 and cold["cache"].get("fxgraph_cache_hit") == 2, cold
+    assert warm["cache"].get("fxgraph_cache_hit") == 4 and not warm["cache"].get("fxgraph_cache_miss"), warm
+    assert not warm["cache"].get("fxgraph_cache_bypass")
+    assert warm["digest"] == cold["digest"]

@@ -1,0 +1,111 @@
+"""Long sequences: the head and loss in vocabulary chunks, boundary activations offloaded to the host.
+
+Exactness as everywhere (``torch.equal``): streamed == ``stream=False``; with the eager codegen also ==
+the user's eager loop computing the loss with the same chunked function (``poros_fx.loss``: the chunked
+sum order is not HF's ``cross_entropy``, so HF's own loss is not the reference here). The Inductor
+codegen's streamed == ``stream=False`` with the chunked loss is checked in tests/test_compile_cache.py.
+"""
+
+import types
+
+import pytest
+import torch
+
+import poros_fx
+from poros_fx.errors import PorosConfigError
+from poros_fx.loss import chunked_causal_lm_loss, eager_rows, row_chunks
+from poros_fx.options import set_trace_options
+from poros_fx.prepare import get_store
+from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
+from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+
+ZERO = {s: 0.0 for s in SURFACES}
+VOCAB, SEQ, BATCH, CHUNKS = 256, 24, 2, 3
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the machine's cores are shared
+    yield
+    torch.set_num_threads(threads)
+
+
+def _eager_chunked(model):
+    """The user's eager loop with the chunked loss: decoder, then ``chunked_causal_lm_loss``."""
+    lm = model.get_base_model()
+
+    def step(input_ids, labels, **kwargs):
+        hidden = lm.model(input_ids=input_ids, **kwargs).last_hidden_state
+        return types.SimpleNamespace(loss=chunked_causal_lm_loss(hidden, eager_rows(lm.lm_head),
+                                                                 row_chunks(VOCAB, CHUNKS), labels))
+
+    return step
+
+
+def _run(mode, *, codegen="eager", accumulate=1, steps=3, **prepare_kwargs):
+    model = tiny_lora_model("qwen2", dropout=0.1, layers=2, vocab=VOCAB)
+    if mode == "eager":
+        step_model = _eager_chunked(model)
+    else:
+        poros_fx.prepare(model, device="cpu", head_chunks=CHUNKS, chunked_loss=True, codegen=codegen, **prepare_kwargs)
+        step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
+    batches = demo_batches(steps * accumulate, vocab=VOCAB, seq=SEQ, batch=BATCH, seed=7)
+    return train(model, step_model, batches, accumulate=accumulate, block_major=mode == "stream"), model
+
+
+def test_chunked_loss_and_offloaded_boundaries_exact_eager_codegen():
+    streamed, model = _run("stream", offload_boundaries=True, accumulate=2)
+    resident, _ = _run("resident", accumulate=2)
+    eager, _ = _run("eager", accumulate=2)
+    assert compare(streamed, resident) == ZERO, format_diffs("streamed vs stream=False", compare(streamed, resident))
+    assert compare(streamed, eager) == ZERO, format_diffs("streamed vs eager chunked", compare(streamed, eager))
+    stats = poros_fx.stats(model)
+    assert stats["block_major_steps"] == 3
+    # every block output (the embedding's and each layer's) went to the host, once per micro-batch
+    schedule = get_store(model).schedules[-1]
+    assert len(schedule.offloaded) == 3 and stats["offloads"] == 3 * 6
+    assert stats["offloaded_bytes"] == stats["offloads"] * BATCH * SEQ * 64 * 4
+    # nothing of tokens x chunk rows is kept for the backward: each chunk's logits are recomputed
+    nodes = {n.name: n for n in schedule.graphs["forward"].graph.nodes}
+    saved = [tuple(nodes[name].meta["val"].shape) for name in schedule.saved_boundaries
+             if isinstance(nodes[name].meta.get("val"), torch.Tensor)]
+    chunk_rows = {stop - start for start, stop in row_chunks(VOCAB, CHUNKS)} | {VOCAB}
+    assert saved and not [s for s in saved if any(isinstance(d, int) and d in chunk_rows for d in s)], saved
+    assert sum(1 for s in saved if len(s) == 1) >= CHUNKS  # the per-chunk logsumexps, [tokens] each
+
+
+def test_offloaded_copies_are_what_the_backward_reads_and_surfaces():
+    """Zeroing the host copies between forward and backward changes the gradients (the backward reads
+    them, not a device tensor kept aside); chunked_loss returns no logits, and HF's path comes back
+    when it is switched off; a compile option that disagrees with the traced forward is refused."""
+    batch = demo_batches(1, vocab=VOCAB, seq=SEQ, batch=BATCH, seed=3)[0]
+
+    def grads(tamper):
+        model = tiny_lora_model("qwen2", dropout=0.0, layers=2, vocab=VOCAB)
+        poros_fx.prepare(model, device="cpu", offload_boundaries=True, chunked_loss=True)
+        out = torch.compile(model, backend="poros")(**batch, use_cache=False)
+        assert out.logits is None
+        if tamper:
+            copies = [ref() for ref in get_store(model).offloaded if ref() is not None]
+            assert len(copies) == 3
+            for t in copies:
+                t.data.zero_()  # .data: autograd's version counter of the saved tensor stays
+        out.loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+    clean, tampered = grads(False), grads(True)
+    assert any(not torch.equal(a, b) for a, b in zip(clean, tampered))
+
+    model = tiny_lora_model("qwen2", dropout=0.0, layers=2, vocab=VOCAB)
+    reference = tiny_lora_model("qwen2", dropout=0.0, layers=2, vocab=VOCAB)
+    poros_fx.prepare(model, device="cpu", chunked_loss=True)
+    with pytest.raises(Exception, match="traced with chunked_loss=True"):  # Dynamo wraps the backend's error
+        torch.compile(model, backend="poros", options={"chunked_loss": False})(**batch, use_cache=False)
+    torch._dynamo.reset()
+    set_trace_options(model, {"chunked_loss": False})
+    out = torch.compile(model, backend="poros", options={"chunked_loss": False})(**batch, use_cache=False)
+    expected = reference(**batch, use_cache=False)
+    assert out.logits is not None and torch.equal(out.loss, expected.loss)
+    with pytest.raises(PorosConfigError, match="chunked_loss must be True or False"):
+        poros_fx.prepare(tiny_lora_model("qwen2", layers=2), device="cpu", chunked_loss="yes")
