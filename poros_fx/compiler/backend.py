@@ -25,18 +25,20 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.fx.graph import _BoxedCodeGen
 
-from ..passes import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES
+from ..passes import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, REGION_PASSES
 from ..passes.block_partition import BLOCK, FORWARD
 from ..passes.rng import PHASE
 
-from .dump import Dumper
-from .graph_metadata import forget_module_classes
 from ..errors import PorosConfigError
-from ..options import PorosOptions
-from ..prepare import AUTO, CHECKPOINTING_MESSAGE, ENTRY_ATTR
+from ..handles import CHECKPOINTING_MESSAGE, ENTRY_ATTR
+from ..options import AUTO, PorosOptions
 from ..runtime.depth import choose_prefetch
 from ..runtime.executor import GraphRuntime
 from ..runtime.store import HostStore
+from ..units import parse_size
+from .ddp import check_ddp_optimizer
+from .dump import Dumper
+from .graph_metadata import forget_module_classes
 from .ops import LOAD
 from .regions import REGION
 from .schedule import Schedule
@@ -150,8 +152,6 @@ def _check_no_checkpointing(gm: fx.GraphModule) -> None:
 def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """The backend. ``options``: ``block_size``, ``prefetch``, ``stream``, ``dump`` (see ``PorosOptions``)."""
     opts = PorosOptions.from_dict(options)
-    from ..distributed import check_ddp_optimizer
-
     check_ddp_optimizer()  # Dynamo's DDPOptimizer would split the step between a block's load and its use
     _check_no_checkpointing(gm)
     store = _find_store(example_inputs)
@@ -171,11 +171,10 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         codegen=opts.codegen or (store.codegen if store else "eager"),
         store_ref=weakref.ref(store) if store is not None else None,
         dumper=dumper if dumper.enabled else None,
+        region_passes=REGION_PASSES,
     )
     if store is not None:
         if opts.memory_budget is not None:  # the option wins over prepare's; a new budget plans anew
-            from ..runtime.budget import parse_size
-
             budget = parse_size(opts.memory_budget)
             if budget != store.memory_budget:
                 store.forget_plan()

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.fx as fx
 
 from .schedule import Schedule
+from .timeline import render
 
 
 class Dumper:
@@ -57,8 +58,6 @@ class Dumper:
                     text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
                     (folder / f"{use.name}_{label}.py").write_text(text)
         if schedule.graphs:
-            from .timeline import render
-
             try:
                 render(schedule, self.folder / "timeline.png")
             except Exception as err:  # a picture must never stop a training run

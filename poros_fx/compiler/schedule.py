@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..options import PorosOptions
+from ..runtime.budget import describe
 
 
 @dataclasses.dataclass
@@ -99,6 +100,8 @@ class Schedule:
     graphs: dict[str, Any] = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> final GraphModule
     codegen: str = "eager"  # how the regions of this graph run ("inductor" | "eager")
     regions: dict[str, RegionUse] = dataclasses.field(default_factory=dict)  # region name -> its use here
+    # what lower_regions runs on each region's own graphs: passes.REGION_PASSES (the pipeline lists it)
+    region_passes: tuple = ()
     # the model's runtime.store.HostStore (its budget plan), held weakly: the compiled graph keeps its schedule
     store_ref: Any = dataclasses.field(default=None, repr=False)
     dumper: Any = dataclasses.field(default=None, repr=False)  # compiler.dump.Dumper writing this graph's dumps
@@ -148,8 +151,6 @@ class Schedule:
                      f"{r.forward_nodes} nodes, backward {r.backward_nodes} nodes, {r.saved} saved tensors, traced in "
                      f"{r.trace_seconds:.1f} s, compiled in {r.compile_seconds:.1f} s (once for every graph)\n")
         if self.store is not None:
-            from ..runtime.budget import describe
-
             tail += f"memory: {describe(self.store)}\n"
             tail += (f"accumulation: block-major ({self.store.ledger.block_major_steps} step(s) so far: each block loaded "
                      "once for all micro-batches of an optimizer step)\n" if self.runtime is not None

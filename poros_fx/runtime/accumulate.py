@@ -47,6 +47,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import PorosConfigError, PorosExactnessError
+from ..handles import get_store, unwrap
 from . import draws as draws_mod
 from .lengths import mark_dynamic
 from .rng import Generators
@@ -154,10 +155,10 @@ class BlockMajorStep:
             return self._serve(args, check_rng=False)
         if runtime is not self.forward_graph:
             raise PorosExactnessError(
-                f"block-major accumulation: micro-batch {self.served}'s forward ran another compiled graph than "
-                "micro-batch 0's (its inputs differ in shape, or in a Python value the graph was specialized on), "
-                "but its outputs were already computed with micro-batch 0's graph. Give every micro-batch of a "
-                "step the same shapes and arguments, or run with options={'block_major': False}")
+                f"block-major accumulation: micro-batch {self.served}'s forward ran another compiled "
+                "graph than micro-batch 0's (its inputs differ in shape, or in a Python value the graph was "
+                "specialized on), but its outputs were already computed with micro-batch 0's graph. Give every "
+                "micro-batch of a step the same shapes and arguments, or run with options={'block_major': False}")
         return self._serve(args, check_rng=True)
 
     def _speculate(self, runtime: Any, args: list) -> str | None:
@@ -365,8 +366,6 @@ def runs_block_major(model: torch.nn.Module, micro_batches: Sequence[Any], *, st
     ``torch.cond`` branch, micro-batches of different shapes) is checked when it starts, before
     anything runs, and the step then runs micro-batch after micro-batch with the warning saying why
     (``BlockMajorStep``)."""
-    from ..prepare import get_store
-
     store = get_store(model)
     wanted = store.block_major if block_major_option is None and store is not None else block_major_option
     if store is None or not stream or not wanted or len(micro_batches) < 2:
@@ -419,8 +418,6 @@ def block_major(model: torch.nn.Module, micro_batches: Sequence[Any], *, shared:
 
 def begin(model: torch.nn.Module, micro_batches: Sequence[Any], *, shared: Sequence[Any] = ()) -> BlockMajorStep:
     """Start a block-major step on ``model``'s store (``block_major``'s first half; the Trainer's hook)."""
-    from ..prepare import get_store, unwrap
-
     model = unwrap(model)
     store = get_store(model)
     if store is None:
@@ -439,8 +436,6 @@ def begin(model: torch.nn.Module, micro_batches: Sequence[Any], *, shared: Seque
 
 def end(model: torch.nn.Module, step: BlockMajorStep, check: bool = True) -> None:
     """End ``step`` (``block_major``'s second half): ``check`` raises if a backward still waits."""
-    from ..prepare import get_store
-
     store = get_store(model)
     if store is not None and store.accumulation is step:
         store.accumulation = None

@@ -36,6 +36,8 @@ import torch
 from ..errors import PorosConfigError, PorosOOMError
 from .arena import ALIGN, nbytes
 from . import budget, draws
+from .depth import summarize_timing
+from .lockstep import Lockstep
 from .store import HostStore, cache_key
 
 RUN_GAP = 256 * 2**10  # host bytes a copy may span that no load reads, rather than start another copy
@@ -263,8 +265,6 @@ class GraphRuntime:
 
     def _finish_measuring(self) -> None:
         """After the first measured run: block copy and compute times into ``store.timing``."""
-        from .depth import summarize_timing
-
         torch.cuda.synchronize(self.store.device)
         copy_ms = [a.elapsed_time(b) for a, b in self._copy_times]
         # a block computes from the end of its group's wait to the start of the next group's wait
@@ -358,8 +358,6 @@ class GraphRuntime:
         generators it draws from (the CPU's always)."""
         key = ("forward", per_micro_batch)
         if key not in self._lockstep:
-            from .lockstep import Lockstep
-
             gm = self.graph_module
             plan = Lockstep(gm, per_micro_batch, is_evict=self._is_evict, draws=lambda n: draws.node_draws(n) is not None)
             found = self._step_draws()
@@ -398,8 +396,6 @@ class GraphRuntime:
         """The backward graph's lockstep plan, its outputs (parameter gradients) summed."""
         key = ("backward", per_micro_batch)
         if key not in self._lockstep:
-            from .lockstep import Lockstep
-
             self._lockstep[key] = Lockstep(self.graph_module, per_micro_batch, is_evict=self._is_evict,
                                            draws=lambda n: False, reduce=True)
         return self._lockstep[key]

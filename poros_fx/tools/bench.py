@@ -69,6 +69,20 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..errors import PorosConfigError
+from ..families import resolve
+from ..handles import causal_lm, get_store
+from ..io.loader import estimate_host_bytes, from_config
+from ..io.sizes import block_bytes
+from ..options import resolve_device
+from ..prepare import prepare, unprepare
+from ..runtime.accumulate import block_major
+from ..stats import stats
+from ..units import parse_size
+from .h2d import copy_seconds
+from .profiling import profile_step
+from .tiny import qwen25_config, tiny_config
+
 NO_CUDA_MESSAGE = "poros-fx bench needs a CUDA GPU; use --device cpu --models tiny for a smoke run"
 SIZES = ("0.5b", "7b", "32b", "72b")
 MODEL_ORDER = ("tiny", *(f"qwen2.5-{s}" for s in SIZES))
@@ -131,9 +145,6 @@ def _compiled_resident(model: nn.Module, block_size: int | None) -> Runner:
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    from ..families import resolve
-    from ..prepare import causal_lm
-
     lm = causal_lm(model)
     return lm.get_submodule(resolve(lm.config.model_type).layers)
 
@@ -163,8 +174,6 @@ def _regional(checkpointing: bool) -> Callable[[nn.Module, int | None], Runner]:
 
 
 def _poros_teardown(model: nn.Module) -> Callable[[], None]:
-    from ..prepare import get_store
-
     def teardown() -> None:
         store = get_store(model)
         if store is not None:
@@ -177,8 +186,6 @@ def _poros_teardown(model: nn.Module) -> Callable[[], None]:
 def _poros_with(**options: Any) -> Callable[[nn.Module, int | None], Runner]:
     """A streamed poros method: the row's block size plus ``options``; with accumulation its micro-batches
     run block-major unless ``options`` say ``block_major=False``."""
-    from ..runtime.accumulate import block_major
-
     def setup(model: nn.Module, block_size: int | None) -> Runner:
         return Runner(torch.compile(model, backend="poros", options={"block_size": block_size or 1, **options}),
                       teardown=_poros_teardown(model),
@@ -198,8 +205,6 @@ _poros_micro_major = _poros_with(block_major=False)
 def _poros_budget(model: nn.Module, block_size: int | None, memory_budget: str | None = None) -> Runner:
     """Streamed with ``options={"memory_budget": ...}``: the first step measures, then blocks that fit
     stay resident (runtime/budget.py)."""
-    from ..prepare import get_store
-
     runner = _poros_with(memory_budget=memory_budget)(model, block_size)
     clear = runner.teardown
 
@@ -315,9 +320,6 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
     if any(known_methods[m].budget for m in method_names):
         if memory_budget is None:
             raise ValueError("poros_budget needs --memory-budget (e.g. 24GB)")
-        from ..runtime.budget import parse_size
-        from ..errors import PorosConfigError
-
         try:
             parse_size(memory_budget)
         except PorosConfigError as e:
@@ -380,8 +382,6 @@ def plan(config: BenchConfig, methods: Mapping[str, Method] = METHODS) -> tuple[
 
 def measure_pinned_h2d(device: str | torch.device = "cuda", mib: int = 512, reps: int = 5) -> float:
     """Pinned host-to-device copy bandwidth in GB/s (median of ``reps`` copies of ``mib`` MiB)."""
-    from .h2d import copy_seconds
-
     host = torch.empty(mib * 2**20, dtype=torch.uint8, pin_memory=True)
     return host.numel() / statistics.median(copy_seconds(host, torch.device(device), reps)) / 1e9
 
@@ -416,8 +416,6 @@ def _free(device: torch.device) -> None:
 
 
 def build_config(model: str) -> Any:
-    from .tiny import qwen25_config, tiny_config
-
     return tiny_config("qwen2", layers=2) if model == "tiny" else qwen25_config(model.removeprefix("qwen2.5-"))
 
 
@@ -426,8 +424,6 @@ class ModelHolder:
 
     def __init__(self, name: str, device: torch.device, seed: int) -> None:
         import peft
-
-        from ..io.loader import from_config
 
         self.name = name
         self.device = device
@@ -439,8 +435,6 @@ class ModelHolder:
         self.state: State = "prepared"
 
     def ensure(self, state: State) -> nn.Module:
-        from ..prepare import prepare, unprepare
-
         if state != self.state:
             if state == "resident":
                 unprepare(self.model)  # back to host memory, tensor by tensor
@@ -479,9 +473,6 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
 
     ``base_bytes``: the host store's size; ``streamed_bytes``: what one pass loads (every block once:
     the embedding's table is gathered, not loaded), the floor's numerator."""
-    from ..prepare import get_store
-    from ..stats import stats
-
     device = holder.device
     row = _empty_row(spec)
     row["base_gb"] = round(base_bytes / 1e9, 3)
@@ -563,7 +554,6 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
         if device.type == "cuda":
             row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
         if config.profile_dir is not None:  # after the peak is read: the profiler allocates too
-            from .profiling import profile_step
 
             slug = _label(spec).replace(" ", "-").replace(".", "")
             row["profile"] = profile_step(step, Path(config.profile_dir) / f"{slug}.trace.json.gz")
@@ -617,10 +607,6 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
 
     Returns the merged document. A row's failure is recorded in its ``error`` and the run goes on.
     """
-    from ..io.loader import estimate_host_bytes
-    from ..io.sizes import block_bytes
-    from ..prepare import resolve_device
-
     started = time.perf_counter()
     device = resolve_device(config.device)
     specs, notes = plan(config, methods)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..distributed import HostShare, rank_device
 from ..runtime.arena import HostArena, create_shared, shm_free_bytes
 
 
@@ -103,8 +104,6 @@ def measure_ranks(mib: int = 256, reps: int = 5) -> list[dict[str, Any]]:
     mapping of one shared arena per host (``HostShare``), alone (rank by rank) and with every rank
     copying at once. Returns every rank's ``H2D`` as a dict, by rank."""
     import torch.distributed as dist
-
-    from ..distributed import HostShare, rank_device
 
     nbytes = mib * 2**20
     device = rank_device()

@@ -21,11 +21,11 @@ import torch
 import torch.fx as fx
 
 from ...errors import PorosConfigError
+from ...options import CODEGENS
 from .trace import Region, isolated
 
 logger = logging.getLogger("poros_fx")
 
-CODEGENS = ("inductor", "eager")
 
 
 def compile_region(region: Region, codegen: str, draws_of: Callable[[fx.GraphModule], list[Any]]) -> None:
