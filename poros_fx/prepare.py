@@ -269,10 +269,10 @@ def _host_block(store: HostStore, hosts: list[torch.Tensor]) -> torch.Tensor | N
         return None
     start = min(h.data_ptr() for h in hosts)
     end = max(h.data_ptr() + h.numel() * h.element_size() for h in hosts)
-    mine = {id(h) for h in hosts}
+    layer_hosts = {id(h) for h in hosts}
     for entry in store.entries.values():
         ptr = entry.host.data_ptr()
-        if id(entry.host) not in mine and not entry.spans and start <= ptr < end:
+        if id(entry.host) not in layer_hosts and not entry.spans and start <= ptr < end:
             return None
     storage = hosts[0].untyped_storage()
     return torch.empty(0, dtype=torch.uint8).set_(storage, start - storage.data_ptr(), (end - start,))

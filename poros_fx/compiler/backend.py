@@ -126,7 +126,7 @@ def _source_line(stack_trace: str) -> str | None:
     return f"{os.path.basename(m.group(1))}:{m.group(2)} ({m.group(3)}: {code})"
 
 
-def _turnaround(schedule: Schedule, phase: str, store_head_chunks: int) -> frozenset[int]:
+def _reused_by_backward(schedule: Schedule, phase: str, store_head_chunks: int) -> frozenset[int]:
     """The blocks a training forward leaves on the device for its backward, which starts with them: the
     head, and with prefetch >= 1 the last layer block too (the forward's window at its end holds both,
     so the peak bound (1 + prefetch) x largest block still holds); none when the head is loaded in row
@@ -232,12 +232,12 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
             store = schedule.store  # held weakly: the compiled graph must not keep the model's base alive
             if schedule.auto_prefetch and phase == "backward":
                 schedule.prefetch, schedule.prefetch_note = _measured_depth(store)
-            turnaround = _turnaround(schedule, phase, store.head_chunks if store else 1)
+            reused = _reused_by_backward(schedule, phase, store.head_chunks if store else 1)
             if phase == "forward":
-                schedule.turnaround = turnaround
+                schedule.reused_by_backward = reused
             schedule.runtime = GraphRuntime(store, schedule.stream, phase,
                                             measure=schedule.auto_prefetch and phase == "forward",
-                                            turnaround=turnaround, schedule=schedule,
+                                            reused_by_backward=reused, schedule=schedule,
                                             training=bool(schedule.blocks))
             if not schedule.blocks:  # an inference graph: no joint graph went through the partitioner
                 schedule.num_fwd_outputs = len(next(iter(graph.graph.find_nodes(op="output"))).args[0])

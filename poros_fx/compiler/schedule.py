@@ -85,7 +85,7 @@ class Schedule:
     prefetch: int
     stream: bool
     layer_attr: str = "layers"
-    turnaround: frozenset = frozenset()  # blocks whose forward copies the backward takes over (no evict, no reload)
+    reused_by_backward: frozenset = frozenset()  # blocks whose forward copies the backward takes over (no evict, no reload)
     layers_from_loads: bool = False  # module paths named no layer (a graph break inside one): placed by loads
     num_fwd_outputs: int = 0  # joint graph outputs that belong to the forward
     blocks: list[Block] = dataclasses.field(default_factory=list)
@@ -134,9 +134,9 @@ class Schedule:
                 "fw_nodes", "recomputed", "rng_slots", "region"]
         rows = [cols]
         for b in self.blocks:
-            mine = [ld for ld in self.loads if ld.block == b.index]
-            fw = [ld for ld in mine if ld.phase == "forward"]
-            bw = [ld for ld in mine if ld.phase == "backward"]
+            block_loads = [ld for ld in self.loads if ld.block == b.index]
+            fw = [ld for ld in block_loads if ld.phase == "forward"]
+            bw = [ld for ld in block_loads if ld.phase == "backward"]
             at = lambda ls: ",".join(sorted({self.block_name(ld.issued_before_block) for ld in ls})) or "-"
             rng = [str(s.index) for s in self.rng_slots if s.block == b.index]
             region = ",".join(r.name for r in self.regions.values() if b.index in r.blocks) or "-"

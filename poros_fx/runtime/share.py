@@ -123,10 +123,10 @@ class HostShare:
         self.group = group
         self.rank = rank
         self.hosts = hosts  # host key of every rank
-        mine = [r for r, h in enumerate(hosts) if h == hosts[rank]]
-        self.leader_rank = mine[0]
-        self.local_rank = mine.index(rank)
-        self.local_world_size = len(mine)
+        same_host = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+        self.leader_rank = same_host[0]
+        self.local_rank = same_host.index(rank)
+        self.local_world_size = len(same_host)
         self.arena: Any = None  # runtime.arena.HostArena, set by open
 
     @property

@@ -94,7 +94,7 @@ class HostStore:
     kept_hosts: set[int] = dataclasses.field(default_factory=set)  # ids of host tensors the plan keeps resident
     kept_ids: dict[int, bool] = dataclasses.field(default_factory=dict)  # id(device copy) kept -> booked in the ledger
     # turn-around: a training forward's last blocks stay for the backward, which starts with them
-    turnaround: dict[tuple[int, ...], list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # host ptrs -> copies
+    copies_for_backward: dict[tuple[int, ...], list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # host ptrs -> forward copies the backward takes
     stashed_ids: set[int] = dataclasses.field(default_factory=set)  # ids of those copies, booked, not yet evicted
     block_major: bool = True  # accumulation steps run block-major (prepare's; options={"block_major": ...} wins)
     accumulation: Any = None  # runtime.accumulate.BlockMajorStep of the optimizer step in flight, if block-major

@@ -126,8 +126,8 @@ def measure_ranks(mib: int = 256, reps: int = 5) -> list[dict[str, Any]]:
         dist.barrier()
         together = _gbps(nbytes, copy_seconds(arena.buffer, device, reps))
         out: list[Any] = [None] * dist.get_world_size()
-        mine = H2D(f"rank {dist.get_rank()} ({device})", alone, together, kind)
-        dist.all_gather_object(out, dataclasses.asdict(mine))
+        own = H2D(f"rank {dist.get_rank()} ({device})", alone, together, kind)
+        dist.all_gather_object(out, dataclasses.asdict(own))
         arena.unpin()
         return out
     finally:
