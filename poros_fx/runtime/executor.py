@@ -360,6 +360,7 @@ class GraphRuntime:
         if key not in self._lockstep:
             gm = self.graph_module
             plan = Lockstep(gm, per_micro_batch, is_evict=self._is_evict, draws=lambda n: draws.node_draws(n) is not None)
+            self._dump_lockstep(plan)
             found = self._step_draws()
             devices = {torch.device("cpu")} | {d.device for d in found}
             if self.store.device.type == "cuda":
@@ -398,7 +399,13 @@ class GraphRuntime:
         if key not in self._lockstep:
             self._lockstep[key] = Lockstep(self.graph_module, per_micro_batch, is_evict=self._is_evict,
                                            draws=lambda n: False, reduce=True)
+            self._dump_lockstep(self._lockstep[key])
         return self._lockstep[key]
+
+    def _dump_lockstep(self, plan: Lockstep) -> None:
+        dumper = getattr(self.schedule, "dumper", None)  # compiler.dump.Dumper when this graph dumps
+        if dumper is not None:
+            dumper.lockstep(plan, self.phase)
 
     def _is_evict(self, node: Any) -> bool:
         target = node.target
