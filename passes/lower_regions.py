@@ -1,8 +1,8 @@
 """Lower regions: point every ``poros.region`` / ``poros.region_backward`` call at its compiled region.
 
 A decoder layer reached the graph as one ``poros::region`` op (``poros_fx/compiler/regions.py``).
-This pass finds the region each call belongs to, runs ``REGION_PASSES`` on the region's own graphs
-the first time (the 4-bit matmul lowering), compiles the region for the schedule's ``codegen`` once
+This pass finds the region each call belongs to, runs ``REGION_PASSES`` (``schedule.region_passes``,
+set by the backend from the pipeline) on the region's own graphs the first time (the 4-bit matmul lowering), compiles the region for the schedule's ``codegen`` once
 (``"inductor"``: fused kernels; ``"eager"``: its aten graph as is) and makes the node call that code
 directly, also where an RNG wrapper calls the op (the streamed forward and its recompute), so
 forward, recompute and the ``stream=False`` reference all run one artifact per region. Layers of one
@@ -47,8 +47,6 @@ def _op_slot(node: fx.Node) -> int | None:
 
 
 def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
-    from . import REGION_PASSES  # the pipeline's list (passes/__init__.py imports this module)
-
     for n in gm.graph.nodes:
         slot = _op_slot(n)
         if slot is None:
@@ -65,7 +63,7 @@ def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
         if not region.lowered:
             for graph in (region.forward, region.backward):
                 if graph is not None:
-                    for region_pass in REGION_PASSES:
+                    for region_pass in schedule.region_passes:
                         region_pass(graph, schedule)
                     graph.recompile()
             region.lowered = True

@@ -24,7 +24,7 @@ from .errors import (NoBlocksError, PorosConfigError, PorosError, PorosExactness
 from .families import VALIDATED, Family, user_asserted
 from .prepare import prepare, unprepare
 from .io.loader import LoaderError, LoadReport, from_config, load_pretrained, load_report
-from .tools.report import report
+from .report import report
 from .stats import stats
 from .runtime.accumulate import block_major
 from .runtime.lengths import mark_dynamic
@@ -37,11 +37,11 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # PorosTrainer imports transformers' Trainer, PorosSFTTrainer the optional trl: load them only when asked for
     if name == "PorosTrainer":
-        from .hf import PorosTrainer
+        from .hf import PorosTrainer  # lazy: transformers.Trainer
 
         return PorosTrainer
     if name == "PorosSFTTrainer":
-        from .sft import PorosSFTTrainer
+        from .sft import PorosSFTTrainer  # lazy: trl
 
         return PorosSFTTrainer
     raise AttributeError(f"module 'poros_fx' has no attribute {name!r}")

@@ -19,10 +19,10 @@ import torch
 
 from . import prepare, stats
 from .errors import PorosConfigError
-from .prepare import device_problem, parse_prefetch, resolve_device
 from .families import VALIDATED
+from .options import device_problem, parse_prefetch, resolve_device
 from .tools.parity import SURFACES, compare, format_diffs, train
-from .tools.report import format_bytes
+from .units import format_bytes
 from .tools.tiny import demo_batches, tiny_lora_model
 
 

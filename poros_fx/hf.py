@@ -30,11 +30,13 @@ import torch
 import transformers
 from torch import nn
 
-from .runtime.lengths import mark_dynamic
+from .distributed import ignore_host_store, no_ddp_optimizer
 from .errors import PorosConfigError
-from .options import PorosOptions, set_trace_options
-from .prepare import AUTO, CHECKPOINTING_MESSAGE, ENTRY_ATTR, get_store, prepare
+from .handles import CHECKPOINTING_MESSAGE, ENTRY_ATTR, get_store
+from .options import AUTO, PorosOptions
+from .prepare import prepare, set_trace_options
 from .runtime import accumulate as accumulation
+from .runtime.lengths import mark_dynamic
 
 
 class PorosTrainer(transformers.Trainer):
@@ -75,8 +77,6 @@ class PorosTrainer(transformers.Trainer):
             prepare(model, device=device, block_size=self.poros_options.get("block_size", 1),
                     prefetch=self.poros_options.get("prefetch", AUTO))
         if self.args.world_size > 1:
-            from .distributed import ignore_host_store
-
             ignore_host_store(model)  # before accelerate wraps it in DistributedDataParallel
         return model
 
@@ -103,8 +103,6 @@ class PorosTrainer(transformers.Trainer):
     def compute_loss(self, model: nn.Module, inputs: dict[str, torch.Tensor | Any], return_outputs: bool = False,
                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         # the Trainer's own loss code, with the forward it calls compiled by poros
-        from .distributed import no_ddp_optimizer
-
         with no_ddp_optimizer():  # sizes dynamic from the first batch: dynamic padding compiles once
             return super().compute_loss(self.poros_model(model), mark_dynamic(inputs), return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
@@ -191,7 +189,7 @@ def checkpointing_off(args: transformers.TrainingArguments) -> None:
 def __getattr__(name: str) -> Any:
     # PorosSFTTrainer subclasses trl.SFTTrainer: trl is an optional extra (poros-fx[trl]), imported on first use
     if name == "PorosSFTTrainer":
-        from .sft import PorosSFTTrainer
+        from .sft import PorosSFTTrainer  # lazy: trl
 
         return PorosSFTTrainer
     raise AttributeError(f"module 'poros_fx.hf' has no attribute {name!r}")

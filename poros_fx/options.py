@@ -1,4 +1,6 @@
-"""The ``options=`` dict of ``torch.compile(..., backend="poros", options=...)``, checked."""
+"""The options every surface takes, and their checks: the ``options=`` dict of ``torch.compile(...,
+backend="poros", options=...)``, ``block_size`` / ``prefetch`` / ``codegen`` / ``device`` as ``prepare``,
+the loaders and the CLI take them."""
 
 from __future__ import annotations
 
@@ -6,11 +8,76 @@ import dataclasses
 import os
 from typing import Any
 
+import torch
+
 from .errors import PorosConfigError
-from .loss import set_chunked_loss
-from .prepare import causal_lm, check_block_options, check_codegen, unwrap
+from .units import parse_size
 
 DUMP_ENV = "POROS_FX_DUMP"
+AUTO = "auto"  # prefetch depth measured from the first forward run (runtime/depth.py)
+CODEGENS = ("inductor", "eager")  # how compiled regions run: fused kernels, or the aten graph as is
+
+
+def check_block_options(block_size: Any, prefetch: Any) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise PorosConfigError(f"block_size must be an integer >= 1 (decoder layers per streamed block), got {block_size!r}")
+    if prefetch != AUTO and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
+        raise PorosConfigError(f"prefetch must be an integer >= 0 (blocks loaded ahead of the one computing) or "
+                               f"'auto' (measured), got {prefetch!r}")
+
+
+def parse_prefetch(text: str) -> int | str:
+    """A command line's ``--prefetch``: ``auto`` or an integer >= 0."""
+    try:
+        value: int | str = int(text)
+    except ValueError:
+        value = text  # "auto", or refused just below
+    check_block_options(1, value)
+    return value
+
+
+def check_codegen(codegen: Any) -> str | None:
+    if codegen is not None and codegen not in CODEGENS:
+        raise PorosConfigError(f"codegen must be 'inductor' (fused kernels per region) or 'eager' (aten calls, equal "
+                               f"to the eager loop), got {codegen!r}")
+    return codegen
+
+
+def default_codegen(device: torch.device) -> str:
+    """The codegen a prepared model's regions get unless asked otherwise: ``"inductor"`` on CUDA (fused
+    kernels; streamed == ``stream=False`` bit for bit, tested on the H200), ``"eager"`` on the CPU (aten
+    calls, also bit-equal to the plain eager loop, and no C++ compile for a CPU run)."""
+    return "inductor" if device.type == "cuda" else "eager"
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.device("cpu")  # one CPU device: "cpu:0" (accelerate's device under torch.distributed) is "cpu"
+    if device.type not in ("cpu", "cuda"):
+        raise PorosConfigError(f"device must be 'cpu' or 'cuda', got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PorosConfigError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu' or device=None")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def device_problem(text: str) -> str | None:
+    """What is wrong with a command line's ``--device`` (cpu or cuda[:N], cuda only where torch sees one),
+    or ``None``; shared by the demo's and the CLI's option checks."""
+    try:
+        kind = torch.device(text).type
+    except RuntimeError:  # torch cannot parse it
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        return f"must be cpu or cuda (or cuda:N), got {text!r}"
+    if kind == "cuda" and not torch.cuda.is_available():
+        return (f"{text!r} was asked for but torch sees no CUDA device (torch {torch.__version__}); use --device cpu, "
+                "or leave it out")
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +93,8 @@ class PorosOptions:
     block_major: bool | None = None  # an accumulation step's micro-batches go through each block together
     # (runtime/accumulate.py); None: what prepare() was given (default True)
     chunked_loss: bool | None = None  # head + loss in vocabulary chunks (loss.py); None: what the model has
-    # (prepare(chunked_loss=...)); the model's forward reads it, so it must be set before tracing (set_trace_options)
+    # (prepare(chunked_loss=...)); the model's forward reads it, so it must be set before tracing
+    # (prepare.set_trace_options)
     offload_boundaries: bool | None = None  # saved block outputs wait in host memory (passes/offload.py);
     # None: what prepare() was given (default False)
 
@@ -41,8 +109,6 @@ class PorosOptions:
         check_block_options(1 if opts.block_size is None else opts.block_size,
                             0 if opts.prefetch is None else opts.prefetch)
         check_codegen(opts.codegen)
-        from .runtime.budget import parse_size
-
         parse_size(opts.memory_budget)
         for name in ("stream", "group_copies", "turnaround"):
             if not isinstance(getattr(opts, name), bool):
@@ -53,11 +119,3 @@ class PorosOptions:
         if opts.dump is None and os.environ.get(DUMP_ENV):
             opts = dataclasses.replace(opts, dump=os.environ[DUMP_ENV])
         return opts
-
-
-def set_trace_options(model: Any, options: dict[str, Any]) -> None:
-    """Apply the options the model's own forward reads while Dynamo traces it (``chunked_loss``) to the
-    prepared ``model``, before it is compiled; the backend checks that they match (``@poros_fx.step``,
-    ``PorosTrainer``, ``poros-fx train`` call this)."""
-    if options.get("chunked_loss") is not None:
-        set_chunked_loss(causal_lm(unwrap(model)), options["chunked_loss"])

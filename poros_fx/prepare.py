@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import re
 import weakref
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -27,84 +27,20 @@ from torch import nn
 from . import attention, loss
 from .adapter_hooks import follow
 from .compiler import ops
-from .compiler.regions import CODEGENS, RegionTable, layer_forward, mode_modules
+from .compiler.regions import RegionTable, layer_forward, mode_modules
 from .compiler.regions import state as regions_state
 from .errors import NoBlocksError, PorosConfigError
 from .families import Family, resolve
+from .handles import ENTRY_ATTR, STORE_ATTR, causal_lm, check_no_checkpointing, get_store, unwrap
+from .host_modules import (QS_BUFFERS, gathers_here, head_rows, is_linear4bit, poros_class, quant_state_tensors, restore_class,
+                           set_quant_state)
+from .options import AUTO, check_block_options, check_codegen, default_codegen, resolve_device
+from .report import report
 from .runtime.arena import HostArena, aligned
 from .runtime.store import HostEntry, HostStore
+from .units import parse_size
 
 logger = logging.getLogger("poros_fx")
-
-STORE_ATTR = "_poros_store"
-ENTRY_ATTR = "_poros_entry"
-
-
-AUTO = "auto"  # prefetch depth measured from the first forward run (runtime/depth.py)
-
-
-def check_block_options(block_size: Any, prefetch: Any) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise PorosConfigError(f"block_size must be an integer >= 1 (decoder layers per streamed block), got {block_size!r}")
-    if prefetch != AUTO and (isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0):
-        raise PorosConfigError(f"prefetch must be an integer >= 0 (blocks loaded ahead of the one computing) or "
-                               f"'auto' (measured), got {prefetch!r}")
-
-
-def parse_prefetch(text: str) -> int | str:
-    """A command line's ``--prefetch``: ``auto`` or an integer >= 0."""
-    try:
-        value: int | str = int(text)
-    except ValueError:
-        value = text  # "auto", or refused just below
-    check_block_options(1, value)
-    return value
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cpu":
-        return torch.device("cpu")  # one CPU device: "cpu:0" (accelerate's device under torch.distributed) is "cpu"
-    if device.type not in ("cpu", "cuda"):
-        raise PorosConfigError(f"device must be 'cpu' or 'cuda', got {device}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise PorosConfigError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu' or device=None")
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def device_problem(text: str) -> str | None:
-    """What is wrong with a command line's ``--device`` (cpu or cuda[:N], cuda only where torch sees one),
-    or ``None``; shared by the demo's and the CLI's option checks."""
-    try:
-        kind = torch.device(text).type
-    except RuntimeError:  # torch cannot parse it
-        kind = None
-    if kind not in ("cpu", "cuda"):
-        return f"must be cpu or cuda (or cuda:N), got {text!r}"
-    if kind == "cuda" and not torch.cuda.is_available():
-        return (f"{text!r} was asked for but torch sees no CUDA device (torch {torch.__version__}); use --device cpu, "
-                "or leave it out")
-    return None
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module under a ``torch.compile`` wrapper."""
-    return getattr(model, "_orig_mod", model)
-
-
-def causal_lm(model: nn.Module) -> nn.Module:
-    """The ``*ForCausalLM`` module inside a PEFT wrapper (or the model itself)."""
-    model = unwrap(model)
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
-def get_store(model: nn.Module) -> HostStore | None:
-    return getattr(unwrap(model), STORE_ATTR, None)
 
 
 def block_names(num_layers: int, block_size: int) -> list[str]:
@@ -186,8 +122,6 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
                         ("offload_boundaries", offload_boundaries)):
         if not isinstance(value, bool):
             raise PorosConfigError(f"{name} must be True or False, got {value!r}")
-    from .runtime.budget import parse_size
-
     budget = parse_size(memory_budget)
     codegen = check_codegen(codegen)
     device = resolve_device(device)
@@ -232,7 +166,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
         owners.append((mod_name, module, frozen))
         for n in frozen:
             readers = reader_blocks.setdefault(id(module._parameters[n]), set())
-            if not _gathers(module):  # a gathering embedding copies rows, not its table: no block load
+            if not gathers_here(module):  # a gathering embedding copies rows, not its table: no block load
                 readers.add(block_of(mod_name))
 
     if not owners:
@@ -253,7 +187,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
             head._poros_row_chunks = loss.row_chunks(head.out_features, count)
             store.head_chunks = count
         if loss.chunkable_head(head):
-            loss_rows = _head_rows(head)
+            loss_rows = head_rows(head)
             loss_chunks = (head._poros_row_chunks if head_chunks is not None and count > 1 else
                            loss.row_chunks(head.out_features, loss.loss_chunk_count(head.out_features, count)))
     elif head_chunks not in (None, 1):
@@ -264,7 +198,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
                                "nn.Linear, so its logits cannot be computed a row range at a time")
     classes: dict[tuple[type, bool], type] = {}
     for mod_name, module, frozen in owners:
-        if _is_linear4bit(module):
+        if is_linear4bit(module):
             _move_linear4bit(store, mod_name, module, reader_blocks)
             frozen = [n for n in frozen if n != "weight"]
         for n in frozen:
@@ -273,11 +207,11 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
         original = type(module)
         key = (original, module is chunked_head)
         if key not in classes:
-            classes[key] = _poros_class(original, module, chunked=module is chunked_head)
+            classes[key] = poros_class(original, module, chunked=module is chunked_head)
         module.__class__ = classes[key]
         module._poros_device = device
         module._poros_frozen = tuple(frozen)
-        store.undo.append(lambda module=module, original=original: _restore_class(module, original))
+        store.undo.append(lambda module=module, original=original: restore_class(module, original))
     if regions:
         _make_regions(store, layers)
     store.undo.append(loss.install(lm, fam.layers.rpartition(".")[0], loss_rows, loss_chunks or (), chunked_loss))
@@ -288,25 +222,8 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     if unwrap(model) is not lm:
         setattr(lm, STORE_ATTR, store)
     if logger.isEnabledFor(logging.INFO):
-        from .tools.report import report
-
         logger.info("%s", report(model))
     return model
-
-
-
-def check_codegen(codegen: Any) -> str | None:
-    if codegen is not None and codegen not in CODEGENS:
-        raise PorosConfigError(f"codegen must be 'inductor' (fused kernels per region) or 'eager' (aten calls, equal "
-                               f"to the eager loop), got {codegen!r}")
-    return codegen
-
-
-def default_codegen(device: torch.device) -> str:
-    """The codegen a prepared model's regions get unless asked otherwise: ``"inductor"`` on CUDA (fused
-    kernels; streamed == ``stream=False`` bit for bit, tested on the H200), ``"eager"`` on the CPU (aten
-    calls, also bit-equal to the plain eager loop, and no C++ compile for a CPU run)."""
-    return "inductor" if device.type == "cuda" else "eager"
 
 
 def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
@@ -369,10 +286,10 @@ def _host_block(store: HostStore, hosts: list[torch.Tensor]) -> torch.Tensor | N
         return None
     start = min(h.data_ptr() for h in hosts)
     end = max(h.data_ptr() + h.numel() * h.element_size() for h in hosts)
-    mine = {id(h) for h in hosts}
+    layer_hosts = {id(h) for h in hosts}
     for entry in store.entries.values():
         ptr = entry.host.data_ptr()
-        if id(entry.host) not in mine and not entry.spans and start <= ptr < end:
+        if id(entry.host) not in layer_hosts and not entry.spans and start <= ptr < end:
             return None
     storage = hosts[0].untyped_storage()
     return torch.empty(0, dtype=torch.uint8).set_(storage, start - storage.data_ptr(), (end - start,))
@@ -405,7 +322,7 @@ def _arena_bytes(owners: list[tuple[str, nn.Module, list[str]]]) -> int:
     for _, module, frozen in owners:
         for n in frozen:
             seen.setdefault(id(module._parameters[n]), module._parameters[n])
-        if _is_linear4bit(module) and module._parameters["weight"].quant_state is not None:
+        if is_linear4bit(module) and module._parameters["weight"].quant_state is not None:
             for t in quant_state_tensors(module._parameters["weight"].quant_state).values():
                 seen.setdefault(id(t), t)
     return sum(aligned(t.numel() * t.element_size()) for t in seen.values())
@@ -429,25 +346,6 @@ def _move_param(store: HostStore, name: str, param: torch.Tensor, blocks: tuple[
         param.__dict__.pop(ENTRY_ATTR, None)
 
     store.undo.append(undo)
-
-
-_QS_BUFFERS = ("absmax", "offset", "absmax2", "code2")
-
-
-def _is_linear4bit(module: nn.Module) -> bool:
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        return False
-    return isinstance(module, bnb.nn.Linear4bit)
-
-
-def quant_state_tensors(qs: Any) -> dict[str, torch.Tensor]:
-    """The quant-state tensors NF4/FP4 kernels read (``qs.code``, the 4-bit table, is built into them)."""
-    found = {"absmax": qs.absmax}
-    if qs.nested:
-        found.update(offset=qs.offset, absmax2=qs.state2.absmax, code2=qs.state2.code)
-    return {k: v for k, v in found.items() if isinstance(v, torch.Tensor)}
 
 
 def _move_linear4bit(store: HostStore, mod_name: str, module: nn.Module, reader_blocks: dict[int, set[int]]) -> None:
@@ -481,9 +379,9 @@ def _move_linear4bit(store: HostStore, mod_name: str, module: nn.Module, reader_
     def undo(module=module, qs=qs, params4bit=params4bit, origin=origin, code_origin=code_origin):
         params4bit.data = module._parameters["weight"].data.to(origin)
         module._parameters["weight"] = params4bit
-        set_quant_state(qs, {k: module._buffers[f"poros_qs_{k}"].data.to(origin) for k in _QS_BUFFERS
+        set_quant_state(qs, {k: module._buffers[f"poros_qs_{k}"].data.to(origin) for k in QS_BUFFERS
                               if f"poros_qs_{k}" in module._buffers})
-        for key in _QS_BUFFERS:
+        for key in QS_BUFFERS:
             module._buffers.pop(f"poros_qs_{key}", None)
         module.__dict__.pop("_poros_quant_state", None)
         module.__dict__.pop("_poros_matmul_op", None)
@@ -499,159 +397,6 @@ def _add_entry(store: HostStore, name: str, host: torch.Tensor, origin: torch.de
                       members=members)
     store.entries[id(host)] = entry
     setattr(host, ENTRY_ATTR, entry)
-
-
-def set_quant_state(qs: Any, tensors: dict[str, torch.Tensor]) -> None:
-    for key, t in tensors.items():
-        if key == "absmax2":
-            qs.state2.absmax = t
-        elif key == "code2":
-            qs.state2.code = t
-        else:
-            setattr(qs, key, t)
-
-
-# -- the module subclasses --------------------------------------------------------------------------
-
-def _load_property(name: str) -> property:
-    def get(self: nn.Module) -> torch.Tensor | None:
-        param = self._parameters.get(name)
-        if param is None or param.requires_grad or self.__dict__.get("_poros_describing"):
-            return param
-        return ops.load(param, self._poros_device)
-
-    return property(get, doc=f"{name}, loaded from the poros host store onto the compute device")
-
-
-def _describe_without_loading(self: nn.Module) -> str:
-    """The original ``extra_repr`` (``nn.Linear``'s reads ``self.bias is not None``; PEFT prints layers in
-    ``disable_adapter()``), with ``weight`` / ``bias`` the host tensors: describing a module loads nothing."""
-    self.__dict__["_poros_describing"] = True
-    try:
-        return type(self)._poros_original_class.extra_repr(self)
-    finally:
-        del self.__dict__["_poros_describing"]
-
-
-def _poros_class(original: type, module: nn.Module, chunked: bool = False) -> type:
-    namespace: dict[str, Any] = {"__module__": original.__module__, "_poros_original_class": original,
-                                 "extra_repr": _describe_without_loading}
-    if chunked:
-        namespace["forward"] = _chunked_linear_forward
-    if _is_linear4bit(module):
-        namespace["forward"] = _linear4bit_forward
-        namespace["bias"] = _load_property("bias")
-    else:
-        if _gathers(module):
-            namespace["forward"] = _embedding_forward
-        for name in ("weight", "bias"):
-            namespace[name] = _load_property(name)
-    return type(original.__name__, (original,), namespace)
-
-
-def _restore_class(module: nn.Module, original: type) -> None:
-    module.__class__ = original
-    for attr in ("_poros_device", "_poros_frozen", "_poros_quant_state", "_poros_row_chunks"):
-        module.__dict__.pop(attr, None)
-
-
-def gathers_rows(module: nn.Module) -> bool:
-    """Whether a prepared ``module`` looks rows up in the host store instead of loading its table: a
-    plain ``nn.Embedding`` (its class keeps ``nn.Embedding.forward``) without ``max_norm`` (which would
-    rewrite the table). Subclasses with their own forward (Gemma's scaled embedding) load the table as
-    a block."""
-    return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
-            and module.max_norm is None)
-
-
-def _gathers(module: nn.Module) -> bool:
-    return gathers_rows(module) and not module.weight.requires_grad
-
-
-def _embedding_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
-    """``nn.Embedding.forward`` with the rows gathered from the host store (padding_idx,
-    scale_grad_by_freq and sparse only shape the table's gradient, and the table is frozen)."""
-    return ops.gather(self._parameters["weight"], input, self._poros_device)
-
-
-def _head_rows(head: nn.Module) -> loss.Rows:
-    """``rows(start, stop)`` of a prepared head: its weight's (and a frozen bias's) rows loaded from the
-    host store, a trainable bias sliced."""
-    def rows(start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        weight, bias, device = head._parameters["weight"], head._parameters.get("bias"), head._poros_device
-        b = None if bias is None else bias[start:stop] if bias.requires_grad else ops.load(bias[start:stop], device)
-        return ops.load(weight[start:stop], device), b
-
-    return rows
-
-
-def _chunked_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` with the weight loaded in row chunks: each chunk's rows are loaded, give
-    their slice of the output features, and are dead before the next chunk's matmul."""
-    rows = _head_rows(self)
-    return torch.cat([torch.nn.functional.linear(x, *rows(start, stop)) for start, stop in self._poros_row_chunks],
-                     dim=-1)
-
-
-def _linear4bit_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes ``Linear4bit.forward`` (0.49/0.50) with the packed weight and quant state loaded;
-    the matmul is ``poros::matmul_4bit`` (the same kernels as ``bnb.matmul_4bit``, one op for Dynamo to
-    trace, see ops.py) where it applies, else ``bnb.matmul_4bit`` itself."""
-    import bitsandbytes as bnb
-    from bitsandbytes.functional import QuantState
-
-    device = self._poros_device
-    host_qs = self._poros_quant_state
-    nested = host_qs.nested
-    absmax2 = ops.load(self.poros_qs_absmax2, device) if nested else None
-    code2 = ops.load(self.poros_qs_code2, device) if nested else None
-    absmax = ops.load(self.poros_qs_absmax, device)
-    offset = ops.load(self.poros_qs_offset, device) if nested else None
-    packed = ops.load(self._parameters["weight"], device)
-    if not self.compute_type_is_set:
-        self.set_compute_type(x)
-        self.compute_type_is_set = True
-    inp_dtype = x.dtype
-    if self.compute_dtype is not None:
-        x = x.to(self.compute_dtype)
-    bias = self.bias
-    if bias is not None:
-        bias = bias.to(x.dtype).to(self.compute_dtype)
-    if self._poros_matmul_op and (bias is None or not bias.requires_grad):
-        # matmul_4bit's B.view(-1, 1) of packed.t() is packed itself: [(N*K+1)//2, 1]
-        return ops.MATMUL_4BIT(x, packed, list(host_qs.shape), absmax, host_qs.blocksize, host_qs.quant_type,
-                               host_qs.dtype, absmax2, code2, offset, host_qs.state2.blocksize if nested else 0,
-                               host_qs.state2.dtype if nested else torch.float32, bias).to(inp_dtype)
-    state2 = None
-    if nested:
-        state2 = QuantState(absmax=absmax2, code=code2, blocksize=host_qs.state2.blocksize, dtype=host_qs.state2.dtype)
-    quant_state = QuantState(absmax=absmax, shape=host_qs.shape, code=None, blocksize=host_qs.blocksize,
-                             quant_type=host_qs.quant_type, dtype=host_qs.dtype, offset=offset, state2=state2)
-    return bnb.matmul_4bit(x, packed.t(), bias=bias, quant_state=quant_state).to(inp_dtype)
-
-
-# -- checks and placement of what is not base (used by prepare, the backend, @step) --------------------
-
-CHECKPOINTING_MESSAGE = (
-    "gradient (activation) checkpointing is on{where}: poros already recomputes each block in the backward, "
-    "from its own reload of the base and with the forward's RNG state, and cannot nest a second recompute "
-    "(torch.utils.checkpoint) inside its graphs. Turn it off (model.gradient_checkpointing_disable(), or leave "
-    "TrainingArguments.gradient_checkpointing False); the activation memory stays one block's either way.")
-
-
-def checkpointing_modules(model: nn.Module) -> list[str]:
-    """Names of the modules of ``model`` whose Hugging Face gradient checkpointing is switched on
-    (``gradient_checkpointing_enable()`` sets ``module.gradient_checkpointing = True`` on each layer)."""
-    return [name or type(m).__name__ for name, m in unwrap(model).named_modules()
-            if getattr(m, "gradient_checkpointing", False) is True]
-
-
-def check_no_checkpointing(model: nn.Module) -> None:
-    """Raise ``PorosConfigError`` when ``model`` has gradient checkpointing switched on."""
-    on = checkpointing_modules(model)
-    if on:
-        shown = ", ".join(on[:2]) + (f" and {len(on) - 2} more" if len(on) > 2 else "")
-        raise PorosConfigError(CHECKPOINTING_MESSAGE.format(where=f" ({shown})"))
 
 
 def adapter_parameters(model: nn.Module) -> set[int]:
@@ -686,3 +431,11 @@ def _place_on_device(model: nn.Module, device: torch.device) -> None:
         for name, buf in module._buffers.items():
             if buf is not None and buf.device != device:
                 module._buffers[name] = buf.to(device)
+
+
+def set_trace_options(model: nn.Module, options: dict) -> None:
+    """Apply the options the model's own forward reads while Dynamo traces it (``chunked_loss``) to the
+    prepared ``model``, before it is compiled; the backend checks that they match (``@poros_fx.step``,
+    ``PorosTrainer``, ``poros-fx train`` call this)."""
+    if options.get("chunked_loss") is not None:
+        loss.set_chunked_loss(causal_lm(unwrap(model)), options["chunked_loss"])

@@ -47,7 +47,7 @@ from torch import nn
 from .distributed import no_ddp_optimizer
 from .errors import PorosConfigError
 from .hf import PorosTrainer, checkpointing_off, checkpointing_on
-from .prepare import get_store
+from .handles import get_store
 from .runtime.lengths import mark_dynamic
 
 logger = logging.getLogger(__name__)

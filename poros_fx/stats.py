@@ -8,7 +8,7 @@ from typing import Any
 from torch import nn
 
 from .errors import PorosConfigError
-from .prepare import get_store
+from .handles import get_store
 
 
 def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:

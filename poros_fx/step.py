@@ -34,11 +34,13 @@ from typing import Any, Callable, Generic, ParamSpec, TypeVar, overload
 import torch
 from torch import nn
 
-from .runtime.lengths import mark_dynamic
+from .distributed import no_ddp_optimizer
 from .errors import PorosConfigError
-from .options import PorosOptions, set_trace_options
-from .prepare import AUTO, check_no_checkpointing, get_store, prepare
+from .handles import check_no_checkpointing, get_store
+from .options import AUTO, PorosOptions
+from .prepare import prepare, set_trace_options
 from .runtime import accumulate as accumulation
+from .runtime.lengths import mark_dynamic
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -171,8 +173,6 @@ class PorosStep(Generic[P, R]):
                 slots.set(slot, self.compiled(module))
                 streamed.append(module)
         from torch.nn.parallel import DistributedDataParallel
-
-        from .distributed import no_ddp_optimizer
 
         ddp = any(isinstance(m, DistributedDataParallel) for m in streamed)
         with no_ddp_optimizer() if ddp else contextlib.nullcontext():  # docs/distributed.md

@@ -38,9 +38,7 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -48,6 +46,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from poros_fx.io.host_memory import proc_meminfo as meminfo  # noqa: E402
+from poros_fx.tools.profiling import (Sampler, child_env, proc_status, reset_peak_rss, result_stream,  # noqa: E402
+                                      run_child as run_command, sampling)
+from poros_fx.tools.tables import cell as fmt, environment, markdown_table, write_report  # noqa: E402
+from poros_fx.units import GIB, table_gb as gb, table_gib as fmt_gib  # noqa: E402
 KINDS = ("ckpt", "std", "config")
 SIZES = ("tiny", "0.5b", "7b", "32b", "72b")
 DEFAULT_CASES = "ckpt-0.5b,std-0.5b,ckpt-7b,config-32b,config-72b"
@@ -59,7 +64,6 @@ GPU_TARGET_SIZE = "32b"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # poros_fx.tools.tiny.tiny_config("qwen2", **TINY)
 TINY = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 2048}
-GIB = 2**30
 
 # parameters (embedding + head, per decoder layer, layers) of each shape, for the estimates below and the
 # disk check, without importing torch in the parent
@@ -78,120 +82,6 @@ _T0 = time.perf_counter()
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')} +{time.perf_counter() - _T0:7.1f}s pid {os.getpid()}] {msg}",
           file=sys.stderr, flush=True)
-
-
-# -- /proc readings (no psutil) ---------------------------------------------------------------------
-
-def proc_status(path: str = "/proc/self/status") -> dict[str, int]:
-    """The memory lines of /proc/self/status in bytes (VmRSS, VmHWM, RssAnon, RssFile, RssShmem, VmLck, VmPin)."""
-    out = {}
-    try:
-        with open(path, encoding="ascii") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                if key.startswith(("Vm", "Rss")):
-                    parts = rest.split()
-                    if len(parts) == 2 and parts[1] == "kB":
-                        out[key] = int(parts[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
-def meminfo(key: str, path: str = "/proc/meminfo") -> int | None:
-    try:
-        with open(path, encoding="ascii") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (write "5" to /proc/self/clear_refs, Linux >= 4.0); True if it took."""
-    try:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-            f.write("5")
-    except OSError:
-        return False
-    now = proc_status()
-    return "VmHWM" in now and now["VmHWM"] <= now.get("VmRSS", 0) + (1 << 20)
-
-
-class Sampler:
-    """A thread reading /proc/self/status and /proc/meminfo every ``interval`` s; keeps the peaks."""
-
-    def __init__(self, interval: float, extra: Callable[[], dict[str, Any]] | None = None) -> None:
-        self.interval = interval
-        self.extra = extra  # more readings for the marks (GPU memory)
-        self.peak: dict[str, int] = {}
-        self.min_available: int | None = None
-        self.samples = 0
-        self.started = time.perf_counter()
-        self.timeline: list[tuple[float, int | None, int | None]] = []
-        self.marks: list[dict[str, Any]] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _sample(self) -> dict[str, int]:
-        now = proc_status()
-        for k, v in now.items():
-            if k in ("VmRSS", "RssAnon", "RssFile", "RssShmem") and v > self.peak.get(k, -1):
-                self.peak[k] = v
-        avail = meminfo("MemAvailable")
-        if avail is not None and (self.min_available is None or avail < self.min_available):
-            self.min_available = avail
-        self.samples += 1
-        t = round(time.perf_counter() - self.started, 3)
-        self.timeline.append((t, now.get("RssAnon"), now.get("RssFile")))
-        return now
-
-    def mark(self, name: str) -> None:
-        """Record the memory at a named point of the load (and the peaks so far)."""
-        now = self._sample()
-        extra = self.extra() if self.extra is not None else {}
-        self.marks.append({"phase": name, "t": self.timeline[-1][0], "rss": now.get("VmRSS"),
-                           "anon": now.get("RssAnon"), "file": now.get("RssFile"),
-                           "anon_peak_so_far": self.peak.get("RssAnon"), "file_peak_so_far": self.peak.get("RssFile"),
-                           **extra})
-        gpu = "".join(f", {k} {v / 1e9:.3f} GB" for k, v in extra.items())
-        log(f"  {name}: +{self.timeline[-1][0]:.1f} s, anon {fmt_gib(now.get('RssAnon'))} GiB (peak so far "
-            f"{fmt_gib(self.peak.get('RssAnon'))}), file-backed {fmt_gib(now.get('RssFile'))} GiB{gpu}")
-
-    def coarse_timeline(self, points: int = 120) -> list[tuple[float, int | None, int | None]]:
-        """At most ``points`` (seconds, RssAnon, RssFile) samples, evenly spread, keeping the anon peak."""
-        step = max(1, -(-len(self.timeline) // points))
-        keep = set(range(0, len(self.timeline), step)) | {len(self.timeline) - 1}
-        anon = [a or 0 for _, a, _ in self.timeline]
-        if anon:
-            keep.add(anon.index(max(anon)))
-        return [self.timeline[i] for i in sorted(keep)]
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._sample()
-            self._stop.wait(self.interval)
-
-    def start(self) -> None:
-        self._sample()
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-
-
-@contextlib.contextmanager
-def sampling(interval: float, extra: Callable[[], dict[str, Any]] | None = None) -> Iterator[Sampler]:
-    sampler = Sampler(interval, extra)
-    sampler.start()
-    try:
-        yield sampler
-    finally:
-        sampler.stop()
 
 
 # -- cases ------------------------------------------------------------------------------------------
@@ -345,7 +235,7 @@ def _layer_bytes(config) -> tuple[int, int]:
 
 
 def _store_numbers(model) -> dict[str, Any]:
-    from poros_fx.prepare import get_store
+    from poros_fx.handles import get_store
 
     store = get_store(model)
     if store is None:
@@ -461,7 +351,7 @@ def measure(case: str, device: str, workdir: Path, sample_s: float) -> dict[str,
         return {"gpu_allocated": torch.cuda.memory_allocated(), "gpu_max_allocated_so_far": torch.cuda.max_memory_allocated()}
 
     started = time.perf_counter()
-    with sampling(sample_s, gpu_now if device == "cuda" else None) as sampler, _phase_marks(sampler, device):
+    with sampling(sample_s, gpu_now if device == "cuda" else None, log) as sampler, _phase_marks(sampler, device):
         try:
             model = _load(kind, size, device, workdir)
             if device == "cuda":
@@ -533,24 +423,6 @@ def derive(row: dict[str, Any]) -> None:
         row["gpu_target_ok"] = row["gpu_max_allocated_bytes"] <= GPU_TARGET_BYTES
 
 
-def fmt_gib(n: Any, digits: int = 2) -> str:
-    return "-" if n is None else f"{n / GIB:.{digits}f}"
-
-
-def gb(n: Any) -> str:
-    return "-" if n is None else f"{n / 1e9:.3f}"
-
-
-def fmt(x: Any) -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    if isinstance(x, float):
-        return f"{x:.3f}"
-    return str(x)
-
-
 def summary(row: dict[str, Any]) -> str:
     return (f"base {fmt_gib(row.get('ratio_base_bytes'))} GiB, layer {fmt_gib(row.get('layer_bytes'), 3)} GiB, "
             f"RSS peak +{fmt_gib(row.get('rss_peak_delta_bytes'))} GiB (ratio {fmt(row.get('rss_ratio'))}, anon "
@@ -559,82 +431,23 @@ def summary(row: dict[str, Any]) -> str:
             f"reserved {fmt(row.get('gpu_max_reserved_gb'))} GB")
 
 
-# -- child: environment -----------------------------------------------------------------------------
-
-def environment(device: str) -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
-                           "cuda": torch.version.cuda, "cpu_count": os.cpu_count(),
-                           "host_ram_bytes": meminfo("MemTotal"), "host_ram_available_bytes": meminfo("MemAvailable"),
-                           "kernel": platform.release(), "device": device}
-    for name in ("transformers", "peft", "bitsandbytes", "safetensors"):
-        try:
-            env[name] = __import__(name).__version__
-        except Exception as e:  # noqa: BLE001 - an absent package is reported
-            env[name] = f"unavailable ({type(e).__name__})"
-    if device == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env.update(gpu_name=props.name, gpu_memory_bytes=props.total_memory, gpu_count=torch.cuda.device_count())
-    else:
-        env["gpu_name"] = None
-    try:
-        env["git"] = subprocess.run(["git", "describe", "--always", "--dirty"], check=False, cwd=ROOT,
-                                    capture_output=True, text=True, timeout=20).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        env["git"] = None
-    return env
-
-
 # -- parent -----------------------------------------------------------------------------------------
-
-def child_env(extra: list[str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    for item in extra or ():
-        key, _, value = item.partition("=")
-        env[key] = value
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
 
 
 def run_child(flags: list[str], mark: str, timeout: float | None,
               extra_env: list[str] | None = None) -> tuple[dict[str, Any] | None, str | None]:
     """Run this script with ``flags`` in a fresh process; (the JSON it printed after ``mark``, error)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), *flags]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=child_env(extra_env), cwd=ROOT)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return None, f"timed out after {timeout:.0f} s (killed)"
-    found = None
-    for line in out.splitlines():
-        if line.startswith(mark):
-            found = json.loads(line[len(mark):])
-    if found is not None:
-        return found, None
-    why = f"child exited with {proc.returncode} and no result"
-    if proc.returncode == -9:
-        why += " (SIGKILL: host out of memory?)"
-    return None, why
+    return run_command([sys.executable, str(Path(__file__).resolve()), *flags], mark, timeout,
+                       child_env(ROOT, extra_env), ROOT)
 
 
 def main_child(args: argparse.Namespace) -> int:
-    # everything a library prints goes to stderr; stdout carries only the result line
-    result = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    result = result_stream()  # everything a library prints goes to stderr; stdout carries only the result line
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     if args.env:
-        mark, payload = ENV_MARK, environment(args.device)
+        mark, payload = ENV_MARK, environment(args.device, ROOT)
     elif args.write:
         mark = ROW_MARK
         try:
@@ -664,30 +477,32 @@ def markdown(doc: dict[str, Any]) -> str:
         (f"torch {env.get('torch')} (CUDA {env.get('cuda')}), GPU {env.get('gpu_name')}, transformers "
          f"{env.get('transformers')}, peft {env.get('peft')}, bitsandbytes {env.get('bitsandbytes')}, host RAM "
          f"{fmt_gib(env.get('host_ram_bytes'), 1)} GiB, {env.get('cpu_count')} CPUs, git {env.get('git')}."), "",
-        ("| case | status | load s | write s | base GiB | layer MiB | pinned GiB | RSS before GiB | RSS peak +GiB "
-         "| ratio (<= 1.1) | anon ratio | system ratio | file-backed peak +GiB | GPU max alloc GB "
-         "| GPU max alloc before adapter GB | GPU max reserved GB | GPU after GB | adapter GB | GPU <= 0.5 GB |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    header = ["case", "status", "load s", "write s", "base GiB", "layer MiB", "pinned GiB", "RSS before GiB",
+              "RSS peak +GiB", "ratio (<= 1.1)", "anon ratio", "system ratio", "file-backed peak +GiB",
+              "GPU max alloc GB", "GPU max alloc before adapter GB", "GPU max reserved GB", "GPU after GB",
+              "adapter GB", "GPU <= 0.5 GB"]
+    rows = []
     for r in doc["rows"]:
         status = r.get("status", "?")
         if r.get("child_env"):
             status += f" ({' '.join(r['child_env'])})"
         if r.get("error"):
-            status += f": {r['error'][:160]}".replace("|", "/").replace("\n", " ")
+            status += f": {r['error'][:160]}".replace("\n", " ")
         ratio = fmt(r.get("rss_ratio"))
         if r.get("rss_target_ok") is not None:
             ratio += "" if r["rss_target_ok"] else " (over)"
         gpu_ok = fmt(r.get("gpu_target_ok")) if split_size(r.get("size") or "-")[0] == GPU_TARGET_SIZE else "n/a"
         layer = r.get("layer_bytes")
-        lines.append(" | ".join([
-            f"| {r.get('case')}", status, fmt(r.get("wall_s")), fmt(r.get("write_s")),
+        rows.append([
+            r.get("case"), status, fmt(r.get("wall_s")), fmt(r.get("write_s")),
             fmt_gib(r.get("ratio_base_bytes"), 3), "-" if layer is None else f"{layer / 2**20:.1f}",
             fmt_gib(r.get("pinned_bytes"), 3), fmt_gib(r.get("rss_before_bytes")), fmt_gib(r.get("rss_peak_delta_bytes")),
             ratio, fmt(r.get("anon_ratio")), fmt(r.get("system_ratio")), fmt_gib(r.get("file_peak_delta_bytes")),
             fmt(r.get("gpu_max_allocated_gb")), gb(r.get("gpu_max_allocated_materialize_bytes")),
             fmt(r.get("gpu_max_reserved_gb")), gb(r.get("gpu_allocated_after_bytes")),
-            gb(r.get("adapter_bytes")), gpu_ok]) + " |")
+            gb(r.get("adapter_bytes")), gpu_ok])
+    lines += markdown_table(header, rows)
     lines += [
         "",
         ("Columns: *base* is the host store's bytes (sum of its entries; for `std` rows the loader's estimate of the "
@@ -708,11 +523,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def write_outputs(doc: dict[str, Any], out: Path | None) -> None:
-    if out is None:
-        return
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "load_memory.json").write_text(json.dumps(doc, indent=1) + "\n")
-    (out / "load_memory.md").write_text(markdown(doc))
+    write_report(out, "load_memory", doc, markdown(doc))
 
 
 def main_parent(args: argparse.Namespace) -> int:

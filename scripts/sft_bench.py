@@ -39,7 +39,7 @@ import trl  # noqa: E402
 
 from poros_fx.hf import PorosSFTTrainer  # noqa: E402
 from poros_fx.io.quantize import quantize_nf4  # noqa: E402
-from poros_fx.tools.report import format_bytes  # noqa: E402
+from poros_fx.units import format_bytes  # noqa: E402
 from poros_fx.tools.tiny import lora_targets, qwen25_config  # noqa: E402
 from poros_fx.tools.tiny_tokenizer import tiny_tokenizer  # noqa: E402
 

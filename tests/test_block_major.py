@@ -62,11 +62,17 @@ def test_block_major_equals_micro_batch_major_and_resident(accumulate, nf4, dtyp
         assert compare(block, eager) == EQUAL, format_diffs("block-major vs eager", compare(block, eager))
 
 
-def test_copies_per_step_do_not_grow_with_accumulation():
+def test_copies_per_step_do_not_grow_with_accumulation(tmp_path, monkeypatch):
     _, one = run("block_major", 1, steps=1)
+    monkeypatch.setenv("POROS_FX_DUMP", str(tmp_path))
     _, four = run("block_major", 4, steps=1)
     assert four["bytes_copied"] == one["bytes_copied"] and four["loads"] == one["loads"]
     assert one["block_major_steps"] == 0  # a single micro-batch has nothing to share
+    # the dump prints the lockstep's segments, each a graph of its own (runtime/lockstep.py)
+    for phase in ("forward", "backward"):
+        (dumped,) = tmp_path.glob(f"graph_*/*_lockstep_{phase}.py")
+        text = dumped.read_text()
+        assert "class segment_0_body" in text and "class segment_1_body" in text, text[:2000]
 
 
 def _step_fn(accumulate: int, **options):

@@ -63,7 +63,7 @@ def test_a_fixed_prefetch_in_prepare_turns_auto_off():
 
 @pytest.mark.parametrize("text,value", [("auto", "auto"), ("0", 0), ("3", 3)])
 def test_parse_prefetch(text, value):
-    from poros_fx.prepare import parse_prefetch
+    from poros_fx.options import parse_prefetch
 
     assert parse_prefetch(text) == value
 
@@ -71,7 +71,7 @@ def test_parse_prefetch(text, value):
 @pytest.mark.parametrize("text", ["-1", "two", "Auto", ""])
 def test_parse_prefetch_refuses(text):
     from poros_fx.errors import PorosConfigError
-    from poros_fx.prepare import parse_prefetch
+    from poros_fx.options import parse_prefetch
 
     with pytest.raises(PorosConfigError, match="prefetch must be an integer >= 0 .* or 'auto'"):
         parse_prefetch(text)

@@ -61,7 +61,7 @@ def test_report_names_a_chunked_head():
 
 
 def test_small_sizes_are_readable():
-    from poros_fx.tools.report import format_bytes
+    from poros_fx.units import format_bytes
 
     assert [format_bytes(n) for n in (0, 512, 1536, 5 * 2**20 + 2**19, 3 * 2**30)] == [
         "0 bytes", "512 bytes", "1.5 KiB", "5.5 MiB", "3.00 GiB"]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import poros_fx
 from poros_fx import distributed
 from poros_fx.errors import PorosConfigError
-from poros_fx.io import loader, manifest
+from poros_fx.io import manifest, meta_model
 from poros_fx.prepare import get_store
 from poros_fx.runtime import arena as arena_mod
 from poros_fx.runtime.arena import attach_shared, create_shared, remove_stale
@@ -132,9 +132,9 @@ def test_a_model_attached_through_its_manifest_is_the_loaded_one(quantization):
     arena = get_store(loaded).arena
     poros_fx.unprepare(loaded)  # the base as the loader hands it to prepare: what a host's leader describes
     described = manifest.describe(loaded, arena)
-    twin = loader._meta_model(config, quantization, poros_fx.families.resolve("qwen2"))
+    twin = meta_model.meta_model(config, quantization, poros_fx.families.resolve("qwen2"))
     manifest.attach(twin, arena, described)
-    loader._rebuild_buffers(twin, config)
+    meta_model.rebuild_buffers(twin, config)
     pairs = list(zip(loaded.state_dict().items(), twin.state_dict().items()))
     assert len(pairs) == len(loaded.state_dict()) == len(twin.state_dict())
     for (name, a), (other, b) in pairs:
@@ -164,10 +164,10 @@ def test_a_manifest_of_another_model_is_refused():
     config = tiny_config("qwen2", layers=2)
     loaded = poros_fx.from_config(config, quantization="bf16", device="cpu", progress=False)
     described = manifest.describe(loaded, get_store(loaded).arena)
-    other = loader._meta_model(tiny_config("qwen2", layers=3), "bf16", poros_fx.families.resolve("qwen2"))
+    other = meta_model.meta_model(tiny_config("qwen2", layers=3), "bf16", poros_fx.families.resolve("qwen2"))
     with pytest.raises(poros_fx.LoaderError, match="disagree on their tensors"):
         manifest.attach(other, get_store(loaded).arena, described)
-    wider = loader._meta_model(tiny_config("qwen2", layers=2, vocab=512), "bf16", poros_fx.families.resolve("qwen2"))
+    wider = meta_model.meta_model(tiny_config("qwen2", layers=2, vocab=512), "bf16", poros_fx.families.resolve("qwen2"))
     with pytest.raises(poros_fx.LoaderError, match="every rank must load the same model"):
         manifest.attach(wider, get_store(loaded).arena, described)
 

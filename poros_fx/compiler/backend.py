@@ -25,18 +25,20 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.fx.graph import _BoxedCodeGen
 
-from ..passes import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES
+from ..passes import GRAPH_PASSES, INFERENCE_PASSES, JOINT_PASSES, REGION_PASSES
 from ..passes.block_partition import BLOCK, FORWARD
 from ..passes.rng import PHASE
 
-from .dump import Dumper
-from .graph_metadata import forget_module_classes
 from ..errors import PorosConfigError
-from ..options import PorosOptions
-from ..prepare import AUTO, CHECKPOINTING_MESSAGE, ENTRY_ATTR
+from ..handles import CHECKPOINTING_MESSAGE, ENTRY_ATTR
+from ..options import AUTO, PorosOptions
 from ..runtime.depth import choose_prefetch
 from ..runtime.executor import GraphRuntime
 from ..runtime.store import HostStore
+from ..units import parse_size
+from .ddp import check_ddp_optimizer
+from .dump import Dumper
+from .graph_metadata import forget_module_classes
 from .ops import LOAD
 from .regions import REGION
 from .schedule import Schedule
@@ -135,7 +137,7 @@ def _source_line(stack_trace: str) -> str | None:
     return f"{os.path.basename(m.group(1))}:{m.group(2)} ({m.group(3)}: {code})"
 
 
-def _turnaround(schedule: Schedule, phase: str, store_head_chunks: int) -> frozenset[int]:
+def _reused_by_backward(schedule: Schedule, phase: str, store_head_chunks: int) -> frozenset[int]:
     """The blocks a training forward leaves on the device for its backward, which starts with them: the
     head, and with prefetch >= 1 the last layer block too (the forward's window at its end holds both,
     so the peak bound (1 + prefetch) x largest block still holds); none when the head is loaded in row
@@ -161,8 +163,6 @@ def _check_no_checkpointing(gm: fx.GraphModule) -> None:
 def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """The backend. ``options``: ``block_size``, ``prefetch``, ``stream``, ``dump`` (see ``PorosOptions``)."""
     opts = PorosOptions.from_dict(options)
-    from ..distributed import check_ddp_optimizer
-
     check_ddp_optimizer()  # Dynamo's DDPOptimizer would split the step between a block's load and its use
     _check_no_checkpointing(gm)
     store = _find_store(example_inputs)
@@ -184,11 +184,10 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
                             else bool(store and store.offload_boundaries)),
         store_ref=weakref.ref(store) if store is not None else None,
         dumper=dumper if dumper.enabled else None,
+        region_passes=REGION_PASSES,
     )
     if store is not None:
         if opts.memory_budget is not None:  # the option wins over prepare's; a new budget plans anew
-            from ..runtime.budget import parse_size
-
             budget = parse_size(opts.memory_budget)
             if budget != store.memory_budget:
                 store.forget_plan()
@@ -247,12 +246,12 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
             store = schedule.store  # held weakly: the compiled graph must not keep the model's base alive
             if schedule.auto_prefetch and phase == "backward":
                 schedule.prefetch, schedule.prefetch_note = _measured_depth(store)
-            turnaround = _turnaround(schedule, phase, store.head_chunks if store else 1)
+            reused = _reused_by_backward(schedule, phase, store.head_chunks if store else 1)
             if phase == "forward":
-                schedule.turnaround = turnaround
+                schedule.reused_by_backward = reused
             schedule.runtime = GraphRuntime(store, schedule.stream, phase,
                                             measure=schedule.auto_prefetch and phase == "forward",
-                                            turnaround=turnaround, schedule=schedule,
+                                            reused_by_backward=reused, schedule=schedule,
                                             training=bool(schedule.blocks))
             if not schedule.blocks:  # an inference graph: no joint graph went through the partitioner
                 schedule.num_fwd_outputs = len(next(iter(graph.graph.find_nodes(op="output"))).args[0])

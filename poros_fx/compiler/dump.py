@@ -5,7 +5,9 @@ With ``options={"dump": folder}`` or ``POROS_FX_DUMP=folder`` each compiled grap
 pass (readable Python, devices shown), ``schedule.txt`` (the schedule table), ``timeline.png``
 (blocks over the step: compute, recompute, loads, evicts; predicted memory with its peak) and, for
 each decoder-layer region the graph calls, ``regions/rK_joint.py``, ``rK_forward.py`` and
-``rK_backward.py`` (the one layer's joint graph and its partition, after the region passes).
+``rK_backward.py`` (the one layer's joint graph and its partition, after the region passes). A step that runs
+block-major adds ``NN_lockstep_forward.py`` / ``NN_lockstep_backward.py``: the segments its lockstep
+runs the graph in (``runtime/lockstep.py``), each a small graph of its own.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch.fx as fx
 
 from .schedule import Schedule
+from .timeline import render
 
 
 class Dumper:
@@ -43,6 +47,13 @@ class Dumper:
         (self.folder / f"{self.count:02d}_{label}.py").write_text(text)
         self.count += 1
 
+    def lockstep(self, plan: Any, label: str) -> None:
+        """A block-major lockstep plan (``runtime/lockstep.py``): its segments' graphs, as Python."""
+        if self.folder is None:
+            return
+        (self.folder / f"{self.count:02d}_lockstep_{label}.py").write_text(plan.readable())
+        self.count += 1
+
     def schedule(self, schedule: Schedule) -> None:
         """The schedule table and, once the graphs exist, the timeline picture (``timeline.png``)."""
         if self.folder is None:
@@ -57,8 +68,6 @@ class Dumper:
                     text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
                     (folder / f"{use.name}_{label}.py").write_text(text)
         if schedule.graphs:
-            from .timeline import render
-
             try:
                 render(schedule, self.folder / "timeline.png")
             except Exception as err:  # a picture must never stop a training run

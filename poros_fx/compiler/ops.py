@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from ..handles import ENTRY_ATTR
+
 
 @torch.library.custom_op("poros::load", mutates_args=())
 def load(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -32,8 +34,6 @@ def load(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _store_of(host: torch.Tensor) -> Any:
     """The host store ``host`` belongs to (a head chunk is a slice of its entry's tensor), or ``None``."""
-    from ..prepare import ENTRY_ATTR  # prepare imports this module
-
     entry = getattr(host, ENTRY_ATTR, None)
     if entry is None and host._base is not None:
         entry = getattr(host._base, ENTRY_ATTR, None)

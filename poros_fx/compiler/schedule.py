@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..options import PorosOptions
+from ..runtime.budget import describe
 
 
 @dataclasses.dataclass
@@ -84,7 +85,7 @@ class Schedule:
     prefetch: int
     stream: bool
     layer_attr: str = "layers"
-    turnaround: frozenset = frozenset()  # blocks whose forward copies the backward takes over (no evict, no reload)
+    reused_by_backward: frozenset = frozenset()  # blocks whose forward copies the backward takes over (no evict, no reload)
     layers_from_loads: bool = False  # module paths named no layer (a graph break inside one): placed by loads
     num_fwd_outputs: int = 0  # joint graph outputs that belong to the forward
     blocks: list[Block] = dataclasses.field(default_factory=list)
@@ -101,6 +102,8 @@ class Schedule:
     graphs: dict[str, Any] = dataclasses.field(default_factory=dict)  # "forward"/"backward" -> final GraphModule
     codegen: str = "eager"  # how the regions of this graph run ("inductor" | "eager")
     regions: dict[str, RegionUse] = dataclasses.field(default_factory=dict)  # region name -> its use here
+    # what lower_regions runs on each region's own graphs: passes.REGION_PASSES (the pipeline lists it)
+    region_passes: tuple = ()
     # the model's runtime.store.HostStore (its budget plan), held weakly: the compiled graph keeps its schedule
     store_ref: Any = dataclasses.field(default=None, repr=False)
     dumper: Any = dataclasses.field(default=None, repr=False)  # compiler.dump.Dumper writing this graph's dumps
@@ -133,9 +136,9 @@ class Schedule:
                 "fw_nodes", "recomputed", "rng_slots", "region"]
         rows = [cols]
         for b in self.blocks:
-            mine = [ld for ld in self.loads if ld.block == b.index]
-            fw = [ld for ld in mine if ld.phase == "forward"]
-            bw = [ld for ld in mine if ld.phase == "backward"]
+            block_loads = [ld for ld in self.loads if ld.block == b.index]
+            fw = [ld for ld in block_loads if ld.phase == "forward"]
+            bw = [ld for ld in block_loads if ld.phase == "backward"]
             at = lambda ls: ",".join(sorted({self.block_name(ld.issued_before_block) for ld in ls})) or "-"
             rng = [str(s.index) for s in self.rng_slots if s.block == b.index]
             region = ",".join(r.name for r in self.regions.values() if b.index in r.blocks) or "-"
@@ -152,8 +155,6 @@ class Schedule:
                      f"{r.forward_nodes} nodes, backward {r.backward_nodes} nodes, {r.saved} saved tensors, traced in "
                      f"{r.trace_seconds:.1f} s, compiled in {r.compile_seconds:.1f} s (once for every graph)\n")
         if self.store is not None:
-            from ..runtime.budget import describe
-
             tail += f"memory: {describe(self.store)}\n"
             tail += (f"accumulation: block-major ({self.store.ledger.block_major_steps} step(s) so far: each block loaded "
                      "once for all micro-batches of an optimizer step)\n" if self.runtime is not None

@@ -86,7 +86,7 @@ def build(schedule: Schedule) -> Timeline:
             if n.op == "placeholder" and phase == "backward" and not n.name.startswith("primals_"):
                 hold(n, i)
             # a turn-around block's forward copy is not evicted; the backward takes it over, no load
-            turned = n.meta.get(BLOCK, n.args[2] if _is(n, GraphRuntime.load) else -1) in schedule.turnaround
+            turned = n.meta.get(BLOCK, n.args[2] if _is(n, GraphRuntime.load) else -1) in schedule.reused_by_backward
             if _is(n, GraphRuntime.load) and not (turned and phase == "backward"):
                 loads.append((n.args[2], pos))
             elif _is(n, GraphRuntime.evict) and not (turned and phase == "forward"):

@@ -41,8 +41,9 @@ from typing import Any, Callable
 import torch
 
 from ..errors import PorosError
-from .loader import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoaderError, TensorSpec, read_checkpoint_index,
-                     read_safetensors_header, resolve_folder)
+from ..units import itemsize
+from .checkpoint import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoaderError, TensorSpec, read_checkpoint_index,
+                         read_safetensors_header, resolve_folder)
 
 OUT_DTYPE = torch.bfloat16
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hub's customary shard size
@@ -313,7 +314,7 @@ def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple[in
     name and renamed at the end, so a failed export never leaves a file that looks complete.
     """
     # widest dtypes first, like safetensors' own serializer: every tensor stays aligned to its item size
-    entries = sorted(entries, key=lambda e: (-_itemsize(e[1]), e[0]))
+    entries = sorted(entries, key=lambda e: (-itemsize(e[1]), e[0]))
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, dtype, shape in entries:
@@ -344,12 +345,8 @@ def _out_dtype(spec: TensorSpec) -> torch.dtype:
     return OUT_DTYPE if dtype.is_floating_point else dtype
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    return math.prod(shape) * _itemsize(dtype)
+    return math.prod(shape) * itemsize(dtype)
 
 
 # -- the rest of the folder -------------------------------------------------------------------------

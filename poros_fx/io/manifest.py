@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from ..runtime.arena import HostArena
+from .checkpoint import LoaderError
+from .meta_model import param_groups, split_name
 
 Ref = dict[str, Any]  # {"offset", "shape", "dtype"} in the arena, or {"bytes", "shape", "dtype"} outside it
 
@@ -81,11 +83,9 @@ def _make_quant_state(d: dict[str, Any], arena: HostArena) -> Any:
 def describe(model: nn.Module, arena: HostArena) -> list[dict[str, Any]]:
     """Every parameter and persistent buffer of a loaded ``model`` (once, with all its names) as a
     reference into ``arena`` (or its bytes, for the few small tensors outside it)."""
-    from .loader import _param_groups, _split
-
     entries = []
-    for names, t in _param_groups(model):
-        owner, attr = _split(names[0])
+    for names, t in param_groups(model):
+        owner, attr = split_name(names[0])
         entry: dict[str, Any] = {"names": names, "buffer": attr in model.get_submodule(owner)._buffers,
                                  "requires_grad": bool(t.requires_grad), "tensor": _ref(t.data, arena)}
         if _is_params4bit(t):
@@ -100,9 +100,7 @@ def describe(model: nn.Module, arena: HostArena) -> list[dict[str, Any]]:
 def attach(model: nn.Module, arena: HostArena, manifest: list[dict[str, Any]]) -> None:
     """Set every tensor ``manifest`` names in the ``meta`` ``model`` to its view of ``arena`` (the
     model must be built as the leader's was: same config, same quantization)."""
-    from .loader import LoaderError, _param_groups, _split
-
-    expected = {tuple(names) for names, _ in _param_groups(model)}
+    expected = {tuple(names) for names, _ in param_groups(model)}
     given = {tuple(e["names"]) for e in manifest}
     if expected != given:
         differ = sorted(expected ^ given)[:3]
@@ -112,7 +110,7 @@ def attach(model: nn.Module, arena: HostArena, manifest: list[dict[str, Any]]) -
         data = _tensor(entry["tensor"], arena)
         spec = entry.get("params4bit")
         for name in entry["names"]:
-            owner_name, leaf = _split(name)
+            owner_name, leaf = split_name(name)
             owner = model.get_submodule(owner_name)
             meta = owner._buffers[leaf] if entry["buffer"] else owner._parameters[leaf]
             if spec is None and (tuple(meta.shape) != tuple(data.shape) or meta.dtype != data.dtype):
@@ -123,7 +121,7 @@ def attach(model: nn.Module, arena: HostArena, manifest: list[dict[str, Any]]) -
         elif spec is not None:
             import bitsandbytes as bnb
 
-            first_owner = model.get_submodule(_split(entry["names"][0])[0])
+            first_owner = model.get_submodule(split_name(entry["names"][0])[0])
             value = bnb.nn.Params4bit(data, requires_grad=entry["requires_grad"],
                                       quant_state=_make_quant_state(spec["quant_state"], arena),
                                       blocksize=spec["blocksize"], compress_statistics=spec["compress_statistics"],
@@ -133,6 +131,6 @@ def attach(model: nn.Module, arena: HostArena, manifest: list[dict[str, Any]]) -
         else:
             value = nn.Parameter(data, requires_grad=entry["requires_grad"])
         for name in entry["names"]:  # one object under every name keeps a tied pair tied
-            owner_name, leaf = _split(name)
+            owner_name, leaf = split_name(name)
             owner = model.get_submodule(owner_name)
             (owner._buffers if entry["buffer"] else owner._parameters)[leaf] = value

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from ..families import Family, resolve
-from ..prepare import block_names, gathers_rows, module_blocks
+from ..host_modules import gathers_rows
+from ..prepare import block_names, module_blocks
 from ..runtime.arena import aligned
 
 if TYPE_CHECKING:

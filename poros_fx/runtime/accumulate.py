@@ -47,6 +47,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import PorosConfigError, PorosExactnessError
+from ..handles import get_store, unwrap
 from . import draws as draws_mod
 from .lengths import mark_dynamic
 from .rng import Generators
@@ -103,10 +104,10 @@ class BlockMajorStep:
         self.paths: dict[int, Path] = {}  # those positions -> where they are in a micro-batch
         self.versions: list[dict[int, int]] = []  # their version counters when the outputs were computed
         self.outputs: list[Any] = []
-        self.served = 0
+        self.forwards_handed_out = 0  # micro-batches whose forward outputs were handed to the caller
         self.states: list[tuple[torch.Tensor, ...]] = []  # generator states before micro-batch i's forward
         self.generators: Generators | None = None
-        self.moving: tuple[int, ...] = ()  # generators the forward draws from
+        self.drawing_generators: tuple[int, ...] = ()  # generators the forward draws from
         self.pending: list[list[Any]] = []  # backward inputs kept until the N-th backward
         self.backward_done = False
 
@@ -123,7 +124,7 @@ class BlockMajorStep:
     def finished(self) -> bool:
         """Every micro-batch's forward was handed out and the summed backward has run (or the step runs
         micro-batch-major)."""
-        return self.off is not None or (self.served >= self.n and self.backward_done)
+        return self.off is not None or (self.forwards_handed_out >= self.n and self.backward_done)
 
     def close(self) -> None:
         """End the step: drop what it kept. A backward still waiting for the others (some micro-batches'
@@ -139,7 +140,7 @@ class BlockMajorStep:
 
     def _forward(self, runtime: Any, compiled: Callable, args: list) -> Any:
         size = runtime.input_elements(args)
-        if self.off is not None or (self.forward_graph is not None and self.served >= self.n):
+        if self.off is not None or (self.forward_graph is not None and self.forwards_handed_out >= self.n):
             return runtime.execute(lambda: compiled(args), size=size)
         if self.forward_graph is None:
             reason = self._speculate(runtime, args)
@@ -154,10 +155,10 @@ class BlockMajorStep:
             return self._serve(args, check_rng=False)
         if runtime is not self.forward_graph:
             raise PorosExactnessError(
-                f"block-major accumulation: micro-batch {self.served}'s forward ran another compiled graph than "
-                "micro-batch 0's (its inputs differ in shape, or in a Python value the graph was specialized on), "
-                "but its outputs were already computed with micro-batch 0's graph. Give every micro-batch of a "
-                "step the same shapes and arguments, or run with options={'block_major': False}")
+                f"block-major accumulation: micro-batch {self.forwards_handed_out}'s forward ran another compiled "
+                "graph than micro-batch 0's (its inputs differ in shape, or in a Python value the graph was "
+                "specialized on), but its outputs were already computed with micro-batch 0's graph. Give every "
+                "micro-batch of a step the same shapes and arguments, or run with options={'block_major': False}")
         return self._serve(args, check_rng=True)
 
     def _speculate(self, runtime: Any, args: list) -> str | None:
@@ -174,7 +175,7 @@ class BlockMajorStep:
         if hooked:
             return (f"{hooked[0]} has a gradient hook (register_hook / register_post_accumulate_grad_hook), which "
                     "sees one micro-batch's gradient at a time in micro-batch order, and only their sum here")
-        mine = {id(t): path for path, t in tensor_paths(self.micro_batches[0])}
+        first_batch_paths = {id(t): path for path, t in tensor_paths(self.micro_batches[0])}
         known = self._model_tensors()
         per: dict[int, Path] = {}
         sizes = runtime.size_inputs()
@@ -185,7 +186,7 @@ class BlockMajorStep:
                 return f"graph input {position} is {type(value).__name__} {value!r}, not a tensor"
             if id(value) in known:
                 continue
-            path = mine.get(id(value))
+            path = first_batch_paths.get(id(value))
             if path is None:
                 return (f"graph input {position} (a {value.dtype} tensor of shape {tuple(value.shape)}) is neither a "
                         "tensor of the model nor a tensor of micro_batches[0]: pass the micro-batches' tensors to "
@@ -212,7 +213,7 @@ class BlockMajorStep:
         self.paths = per
         self.per_micro_batch = frozenset(per)
         # an in-place edit of a later micro-batch before its forward call would not reach the outputs
-        # computed now: its tensors' version counters are checked when each is served
+        # computed now: its tensors' version counters are checked when each is handed out
         self.versions = [{p: row[p]._version for p in per} for row in lists]
         return None
 
@@ -267,11 +268,12 @@ class BlockMajorStep:
         self.states, self.generators = states, generators
         self.store.ledger.block_major_steps += 1
         self.store.ledger.block_major_micro_batches += self.n
-        self.moving = tuple(k for k in range(len(devices)) if not all(torch.equal(s[k], start[k]) for s in states))
+        self.drawing_generators = tuple(k for k in range(len(devices))
+                                        if not all(torch.equal(s[k], start[k]) for s in states))
         return outputs
 
     def _serve(self, args: list, check_rng: bool) -> Any:
-        i = self.served
+        i = self.forwards_handed_out
         expected = self.expected[i]
         if len(args) != len(expected) or any(a is not b for a, b in zip(args, expected)):
             position = next((p for p, (a, b) in enumerate(zip(args, expected)) if a is not b), len(args))
@@ -289,29 +291,29 @@ class BlockMajorStep:
                 "before the step starts (or give the model a new tensor instead of editing one), or run with "
                 "options={'block_major': False}")
         generators = self.generators
-        if check_rng and self.moving:
+        if check_rng and self.drawing_generators:
             now = generators.get()
-            if any(not torch.equal(now[k], self.states[i][k]) for k in self.moving):
+            if any(not torch.equal(now[k], self.states[i][k]) for k in self.drawing_generators):
                 raise PorosExactnessError(
                     f"block-major accumulation: random numbers were drawn between micro-batch {i - 1}'s forward and "
                     f"micro-batch {i}'s; micro-batch order would give micro-batch {i} other dropout masks than the "
                     "ones it drew at micro-batch 0's forward. Draw them before the step or after it, or run "
                     "with options={'block_major': False}")
-        if self.moving:
+        if self.drawing_generators:
             after = generators.get()
-            generators.set(tuple(self.states[i + 1][k] if k in self.moving else after[k]
+            generators.set(tuple(self.states[i + 1][k] if k in self.drawing_generators else after[k]
                                  for k in range(len(after))))
         out, self.outputs[i] = self.outputs[i], None
-        self.served += 1
+        self.forwards_handed_out += 1
         args.clear()
         return out
 
     # -- backward ------------------------------------------------------------------------------------
 
     def _backward(self, runtime: Any, compiled: Callable, args: list) -> Any:
-        mine = (self.off is None and self.forward_graph is not None and not self.backward_done
+        this_step = (self.off is None and self.forward_graph is not None and not self.backward_done
                 and runtime.schedule is self.forward_graph.schedule)
-        if not mine:
+        if not this_step:
             return runtime.execute(lambda: compiled(args))
         if not self.pending:
             reason = runtime.lockstep_refusal()
@@ -365,8 +367,6 @@ def runs_block_major(model: torch.nn.Module, micro_batches: Sequence[Any], *, st
     ``torch.cond`` branch, micro-batches of different shapes) is checked when it starts, before
     anything runs, and the step then runs micro-batch after micro-batch with the warning saying why
     (``BlockMajorStep``)."""
-    from ..prepare import get_store
-
     store = get_store(model)
     wanted = store.block_major if block_major_option is None and store is not None else block_major_option
     if store is None or not stream or not wanted or len(micro_batches) < 2:
@@ -419,8 +419,6 @@ def block_major(model: torch.nn.Module, micro_batches: Sequence[Any], *, shared:
 
 def begin(model: torch.nn.Module, micro_batches: Sequence[Any], *, shared: Sequence[Any] = ()) -> BlockMajorStep:
     """Start a block-major step on ``model``'s store (``block_major``'s first half; the Trainer's hook)."""
-    from ..prepare import get_store, unwrap
-
     model = unwrap(model)
     store = get_store(model)
     if store is None:
@@ -439,8 +437,6 @@ def begin(model: torch.nn.Module, micro_batches: Sequence[Any], *, shared: Seque
 
 def end(model: torch.nn.Module, step: BlockMajorStep, check: bool = True) -> None:
     """End ``step`` (``block_major``'s second half): ``check`` raises if a backward still waits."""
-    from ..prepare import get_store
-
     store = get_store(model)
     if store is not None and store.accumulation is step:
         store.accumulation = None

@@ -39,6 +39,7 @@ import weakref
 import torch
 
 from ..errors import PorosConfigError
+from ..units import GIB, gib
 
 ALIGN = 512  # bytes; every tensor starts on this boundary (DMA-friendly, and a multiple of any element size)
 PAGE = 4096
@@ -215,15 +216,11 @@ def shm_free_bytes(directory: str | None = None) -> int | None:
         return None
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 def _no_room(directory: str, capacity: int, free: int) -> PorosConfigError:
     return PorosConfigError(
-        f"the shared host store needs {_gib(capacity)} in {directory}, which has {_gib(free)} free: the ranks of a "
+        f"the shared host store needs {gib(capacity)} in {directory}, which has {gib(free)} free: the ranks of a "
         f"host keep one copy of the frozen base there. Make room: in Docker, start the container with "
-        f"--shm-size={max(1, math.ceil(capacity * 1.05 / 2**30))}g (or --ipc=host); elsewhere remount the tmpfs "
+        f"--shm-size={max(1, math.ceil(capacity * 1.05 / GIB))}g (or --ipc=host); elsewhere remount the tmpfs "
         f"larger (mount -o remount,size=... {directory}), or set {SHM_DIR_ENV} to a tmpfs folder with room.")
 
 

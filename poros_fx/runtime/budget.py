@@ -26,31 +26,14 @@ this over-predicts).
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any
 
 import torch
 
-from ..errors import PorosConfigError, PorosOOMError
+from ..errors import PorosOOMError
+from ..units import decimal_bytes, parse_size  # noqa: F401  (parse_size: the budget's parser, also imported from here)
 from .arena import nbytes
 from .store import cache_key
-
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-
-
-def parse_size(value: Any, what: str = "memory_budget") -> int | None:
-    """Bytes (an int), a size string (``"24GB"``, ``"500MiB"``), or ``None``; ``what`` names the setting
-    in the error (``memory_budget``, the CLI's ``--max-shard-size``)."""
-    if value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?)b?\s*", value.lower())
-        if m and m.group(2) in _UNITS and float(m.group(1)) > 0:
-            return int(float(m.group(1)) * _UNITS[m.group(2)])
-    raise PorosConfigError(f"{what} must be a positive number of bytes or a size such as '24GB' or '500MiB', "
-                           f"got {value!r}")
 
 
 @dataclasses.dataclass
@@ -75,9 +58,9 @@ class ResidencyPlan:
 def plan(store: Any, budget: int, streamed_peak: int, measured_on: str, transient: int | None = None) -> ResidencyPlan:
     """The blocks of ``store`` that stay resident under ``budget`` (see the module docstring)."""
     if budget < streamed_peak:
-        raise PorosOOMError(f"memory_budget {_size(budget)} is below what the fully streamed step needs: its first step "
-                            f"peaked at {_size(streamed_peak)} ({measured_on}); the smallest budget that works is "
-                            f"{streamed_peak} bytes ({_size(streamed_peak)}), or stream with a smaller block_size / prefetch")
+        raise PorosOOMError(f"memory_budget {decimal_bytes(budget)} is below what the fully streamed step needs: its first step "
+                            f"peaked at {decimal_bytes(streamed_peak)} ({measured_on}); the smallest budget that works is "
+                            f"{streamed_peak} bytes ({decimal_bytes(streamed_peak)}), or stream with a smaller block_size / prefetch")
     sizes = store.block_bytes()
     keep = _fitting(sizes, budget - streamed_peak)
     kept = sum(sizes[i] for i in keep)
@@ -119,11 +102,11 @@ def describe(store: Any) -> str:
         return "no budget: every block streams every step"
     p = store.plan
     if p is None:
-        return f"budget {_size(store.memory_budget)}: planned after the first (fully streamed) step"
+        return f"budget {decimal_bytes(store.memory_budget)}: planned after the first (fully streamed) step"
     kept = ", ".join(p.resident_blocks) or "none"
-    return (f"budget {_size(p.budget)}: streamed peak {_size(p.streamed_peak)} (the first step's, measured), resident "
-            f"{kept} ({_size(p.resident_bytes)}), predicted peak {_size(p.predicted_peak)}, base copied per forward + "
-            f"backward {_size(p.streamed_bytes_per_step)} (was {_size(p.streamed_bytes_per_step_before)}; once per "
+    return (f"budget {decimal_bytes(p.budget)}: streamed peak {decimal_bytes(p.streamed_peak)} (the first step's, measured), resident "
+            f"{kept} ({decimal_bytes(p.resident_bytes)}), predicted peak {decimal_bytes(p.predicted_peak)}, base copied per forward + "
+            f"backward {decimal_bytes(p.streamed_bytes_per_step)} (was {decimal_bytes(p.streamed_bytes_per_step_before)}; once per "
             "micro-batch, or once per optimizer step when its micro-batches run block-major)"
             + "".join(f"; {note}" for note in p.adjustments))
 
@@ -133,13 +116,6 @@ def redump(store: Any) -> None:
     for schedule in list(store.schedules):
         if getattr(schedule, "dumper", None) is not None:
             schedule.dumper.schedule(schedule)
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} bytes"
 
 
 def resident_hosts(store: Any, plan: ResidencyPlan) -> set[int]:
@@ -219,7 +195,7 @@ def measure_and_plan(store: Any) -> None:
             given.append(name)
             _release_block(store, index)
         store.kept_hosts = resident_hosts(store, p)
-        p.adjustments.append(f"after forward run {store.ledger.forward_runs}: the step peaked at {_size(peak)}, above "
+        p.adjustments.append(f"after forward run {store.ledger.forward_runs}: the step peaked at {decimal_bytes(peak)}, above "
                              f"the budget; gave back {len(given)} kept block(s)"
                              + (f" ({given[0]}..{given[-1]})" if given else " (none left to give)"))
         redump(store)
@@ -249,13 +225,13 @@ def fit(store: Any) -> None:
     p.predicted_peak = baseline + p.transient + p.resident_bytes
     if p.predicted_peak > p.budget:
         smallest = baseline + p.transient
-        raise PorosOOMError(f"memory_budget {_size(p.budget)} no longer holds the streamed step: {_size(baseline)} stays "
+        raise PorosOOMError(f"memory_budget {decimal_bytes(p.budget)} no longer holds the streamed step: {decimal_bytes(baseline)} stays "
                             f"allocated between steps now (the optimizer's state, tensors of your own) and the step "
-                            f"adds {_size(p.transient)}; the smallest budget that works now is {smallest} bytes "
-                            f"({_size(smallest)})")
+                            f"adds {decimal_bytes(p.transient)}; the smallest budget that works now is {smallest} bytes "
+                            f"({decimal_bytes(smallest)})")
     if given:
-        p.adjustments.append(f"after forward run {store.ledger.forward_runs}: {_size(baseline)} stays allocated between "
-                             f"steps (was {_size(store.budget_start)} when the first step started: optimizer state?); "
+        p.adjustments.append(f"after forward run {store.ledger.forward_runs}: {decimal_bytes(baseline)} stays allocated between "
+                             f"steps (was {decimal_bytes(store.budget_start)} when the first step started: optimizer state?); "
                              f"gave back {len(given)} kept block(s) ({given[0]}..{given[-1]})")
         redump(store)
 

@@ -19,6 +19,8 @@ import math
 import statistics
 from typing import Any
 
+from ..units import gib
+
 LIMIT = 4  # blocks ahead at most
 BACKWARD_FACTOR = 3  # a block's backward (recompute + gradients) in forwards of that block
 
@@ -48,5 +50,5 @@ def choose_prefetch(timing: dict[str, Any] | None, *, device_type: str, block_by
         fits = max(1, int(free_bytes // 2 // block_bytes) - 1)
         if fits < depth:
             depth = fits
-            why += f"; capped by free device memory, {free_bytes / 2**30:.2f} GiB"
+            why += f"; capped by free device memory, {gib(free_bytes)}"
     return depth, why.format(depth=depth) + ")"

@@ -36,6 +36,8 @@ import torch
 from ..errors import PorosConfigError, PorosOOMError
 from .arena import ALIGN, nbytes
 from . import budget, draws
+from .depth import summarize_timing
+from .lockstep import Lockstep
 from .store import HostStore, cache_key
 
 RUN_GAP = 256 * 2**10  # host bytes a copy may span that no load reads, rather than start another copy
@@ -96,7 +98,7 @@ def plan_group(hosts: list[torch.Tensor]) -> GroupPlan:
 
 class GraphRuntime:
     def __init__(self, store: HostStore | None, stream: bool, phase: str, measure: bool = False,
-                 turnaround: frozenset[int] = frozenset(), schedule: Any = None, training: bool = False) -> None:
+                 reused_by_backward: frozenset[int] = frozenset(), schedule: Any = None, training: bool = False) -> None:
         # weak: Dynamo's cache holds the compiled graph, which must not keep an unprepared or freed model's
         # store (its whole pinned base) alive
         self._store_ref = weakref.ref(store) if store is not None else None
@@ -114,7 +116,7 @@ class GraphRuntime:
         self.num_outputs = 0
         self._lockstep: dict[Any, Any] = {}  # (phase, per-micro-batch inputs) -> lockstep plan
         # forward blocks whose copies stay for the backward, which starts with them (turn-around)
-        self.turnaround = turnaround
+        self.reused_by_backward = reused_by_backward
         self.overlap = stream and store is not None and store.device.type == "cuda"
         # time the first run's copies and blocks with CUDA events (prefetch "auto", runtime/depth.py)
         self.measure = measure and self.overlap
@@ -145,15 +147,15 @@ class GraphRuntime:
             cached = [self.store.resident_cache.get(cache_key(h)) for h in hosts]
             if all(t is not None for t in cached):
                 return cached
-        if self.phase == "backward" and self.store.turnaround:
-            stashed = self.store.turnaround.pop(tuple(h.data_ptr() for h in hosts), None)
+        if self.phase == "backward" and self.store.copies_for_backward:
+            stashed = self.store.copies_for_backward.pop(tuple(h.data_ptr() for h in hosts), None)
             if stashed is not None:  # the forward's last copies of this block: still on the device
                 return stashed
         out = self._copy_group(hosts, device, block)
-        if block in self.turnaround and not kept:
+        if block in self.reused_by_backward and not kept:
             key = tuple(h.data_ptr() for h in hosts)
-            self._release(self.store.turnaround.pop(key, ()))  # an earlier forward's, never taken
-            self.store.turnaround[key] = out
+            self._release(self.store.copies_for_backward.pop(key, ()))  # an earlier forward's, never taken
+            self.store.copies_for_backward[key] = out
             self.store.stashed_ids.update(id(t) for t in out)
         if kept:
             for h, t in zip(hosts, out):
@@ -296,8 +298,6 @@ class GraphRuntime:
 
     def _finish_measuring(self) -> None:
         """After the first measured run: block copy and compute times into ``store.timing``."""
-        from .depth import summarize_timing
-
         torch.cuda.synchronize(self.store.device)
         copy_ms = [a.elapsed_time(b) for a, b in self._copy_times]
         # a block computes from the end of its group's wait to the start of the next group's wait
@@ -351,7 +351,7 @@ class GraphRuntime:
         finally:
             steps.end()
         if self.stream and self.phase == "backward":
-            self._drop_turnaround()
+            self._drop_copies_for_backward()
             budget.measure_and_plan(self.store)  # after the first step: which blocks stay resident
         return out
 
@@ -391,10 +391,9 @@ class GraphRuntime:
         generators it draws from (the CPU's always)."""
         key = ("forward", per_micro_batch)
         if key not in self._lockstep:
-            from .lockstep import Lockstep
-
             gm = self.graph_module
             plan = Lockstep(gm, per_micro_batch, is_evict=self._is_evict, draws=lambda n: draws.node_draws(n) is not None)
+            self._dump_lockstep(plan)
             found = self._step_draws()
             devices = {torch.device("cpu")} | {d.device for d in found}
             if self.store.device.type == "cuda":
@@ -431,21 +430,25 @@ class GraphRuntime:
         """The backward graph's lockstep plan, its outputs (parameter gradients) summed."""
         key = ("backward", per_micro_batch)
         if key not in self._lockstep:
-            from .lockstep import Lockstep
-
             self._lockstep[key] = Lockstep(self.graph_module, per_micro_batch, is_evict=self._is_evict,
                                            draws=lambda n: False, reduce=True)
+            self._dump_lockstep(self._lockstep[key])
         return self._lockstep[key]
+
+    def _dump_lockstep(self, plan: Lockstep) -> None:
+        dumper = getattr(self.schedule, "dumper", None)  # compiler.dump.Dumper when this graph dumps
+        if dumper is not None:
+            dumper.lockstep(plan, self.phase)
 
     def _is_evict(self, node: Any) -> bool:
         target = node.target
         return getattr(target, "__func__", None) is GraphRuntime.evict and target.__self__ is self
 
-    def _drop_turnaround(self) -> None:
+    def _drop_copies_for_backward(self) -> None:
         """Turn-around copies no backward took (another graph's, or an abandoned forward's): gone."""
-        for tensors in self.store.turnaround.values():
+        for tensors in self.store.copies_for_backward.values():
             self._release(tensors)
-        self.store.turnaround.clear()
+        self.store.copies_for_backward.clear()
 
     def _release(self, tensors: Any) -> None:
         for t in tensors:

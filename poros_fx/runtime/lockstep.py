@@ -13,11 +13,13 @@ times side by side. Its nodes are sorted into
 * *evicts*, which end a loaded tensor's life: run once, after the last micro-batch used it.
 
 and cut into *segments* after each run of evicts (a block's end). A segment runs its shared nodes,
-then its per-micro-batch nodes for micro-batch 0, 1, ... N-1, then its evicts. Each segment is
-generated Python code, like the graph's own. Values are freed at their last use (a micro-batch's
-value after its last reader in that micro-batch, a shared value after the segment of its last
-reader), so memory holds what the single-micro-batch graph holds, plus one set of boundary values
-per micro-batch.
+then its per-micro-batch nodes for micro-batch 0, 1, ... N-1, then its evicts. Each of the three is a
+small ``fx.GraphModule`` of its own (copies of the graph's nodes, boxed like the graph itself) whose
+inputs are the values it reads from earlier parts and whose outputs are the values later parts read;
+``Lockstep.readable()`` prints them and the dumps write it (``NN_lockstep_<phase>.py``). Values are
+freed at their last use (a micro-batch's value after its last reader in that micro-batch, a shared
+value after the segment of its last reader), so memory holds what the single-micro-batch graph holds,
+plus one set of boundary values per micro-batch.
 
 The graph's per-micro-batch nodes run unchanged, in their order, for each micro-batch: micro-batch
 ``i`` computes the same bits as when the graph runs on its inputs alone. Random numbers are the
@@ -41,25 +43,67 @@ A forward graph of two layer blocks (loads and evicts as the residency pass plac
     evict_1 = evict(load_1)                               # ends segment 1
 
 runs as: segment 0: the two loads; gather, region 0 for micro-batch 0, then for micro-batch 1 ...;
-evict. Segment 1: region 1 for micro-batch 0, 1, ...; evict.
+evict. Segment 1: region 1 for micro-batch 0, 1, ...; evict. Segment 0's per-micro-batch part, as
+the dump prints it::
+
+    class segment_0_per_micro_batch(torch.nn.Module):
+        def forward(self, args_list):
+            args_iter = iter(args_list)
+            primals_2 = next(args_iter)   # shared: the embedding table
+            primals_1 = next(args_iter)   # this micro-batch's input_ids (taken: nothing later reads it)
+            load = next(args_iter)        # shared: the loaded block
+            args_list.clear()
+            gather = poros_gather(primals_2, primals_1, cpu);  primals_1 = None
+            run_and_save_rng_state = ..._region_r0_forward([gather, ..., load], ...)
+            getitem = run_and_save_rng_state[0]
+            return (getitem, ...)         # what segment 1 reads for this micro-batch
 """
 
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any, Callable, Sequence
 
 import torch.fx as fx
+from torch.fx.graph import _BoxedCodeGen
 
 SHARED, PER_MICRO_BATCH, EVICT = "shared", "per_micro_batch", "evict"
+SHARED_SLOTS, BATCH_SLOTS, REDUCED = "s", "v", "r"  # where a part's inputs come from and its outputs go
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """Some nodes of the graph as a graph of their own: ``inputs`` (where each input is read: shared or
+    this micro-batch's slots, and whether the read takes it out of the slot, its last reader) and
+    ``outputs`` (the slot each output goes to, or ``REDUCED`` and the output position it is summed into)."""
+
+    gm: fx.GraphModule
+    inputs: tuple[tuple[str, int, bool], ...]
+    outputs: tuple[tuple[str, int], ...]
+
+    def run(self, shared: list, values: list | None, add: Callable[[int, Any], None] | None) -> None:
+        args = []
+        for space, slot, take in self.inputs:
+            held = shared if space == SHARED_SLOTS else values
+            args.append(held[slot])
+            if take:
+                held[slot] = None
+        results = self.gm.forward(args)  # boxed: frees each input at its last use; no nn.Module call overhead
+        for (space, slot), value in zip(self.outputs, results):
+            if space == REDUCED:
+                add(slot, value)
+            elif space == SHARED_SLOTS:
+                shared[slot] = value
+            else:
+                values[slot] = value
+        del results
 
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    pre: Callable[[list], None]  # its shared nodes: pre(shared)
-    body: Callable[[list, list, Callable], None]  # its per-micro-batch nodes: body(shared, mine, reduce)
-    post: Callable[[list], None]  # its evicts: post(shared)
+    shared: Part | None  # its shared nodes: run once
+    body: Part | None  # its per-micro-batch nodes: run for each micro-batch
+    evicts: Part | None  # its evicts: run once, after the last micro-batch
     draws: bool  # the body draws random numbers
     frees: tuple[int, ...]  # shared slots dead after the segment
     nodes: int  # per-micro-batch nodes in the body (for the schedule)
@@ -83,7 +127,6 @@ class Lockstep:
         self.slot = {n: i for i, n in enumerate(nodes)}
         self.kind: dict[fx.Node, str] = {}
         self.inputs: list[tuple[int, int, bool]] = []  # (slot, position, per micro-batch)
-        consts: list[Any] = []
         position = 0
         for n in nodes:
             if n.op == "placeholder":
@@ -106,7 +149,7 @@ class Lockstep:
         self.num_inputs = position
         self.size = len(nodes)
         # the output's elements; in reduce mode the output does not keep its values alive (each is
-        # summed as soon as it is made)
+        # summed as soon as its micro-batch's segment made it)
         self.outputs = list(output.args[0])
         order = {n: i for i, n in enumerate(nodes)}
         last = {}
@@ -129,6 +172,7 @@ class Lockstep:
         for n in nodes:  # inputs belong to the first segment
             if n.op == "placeholder":
                 segment_of[n] = 0
+        segment_of[output] = len(groups)  # after every segment
         reduce_at: dict[fx.Node, list[int]] = {}
         if reduce:
             for p, value in enumerate(self.outputs):
@@ -136,69 +180,62 @@ class Lockstep:
                     reduce_at.setdefault(value, []).append(p)
                 elif value is not None:
                     raise ValueError(f"output {p} of a reduced graph is {value!r}, not a tensor or None")
+        # a per-micro-batch input nobody reads (or that is only summed) is never kept
+        self.unread_inputs = frozenset(slot for slot, _, per in self.inputs if per and nodes[slot] not in last
+                                       and nodes[slot] not in reduce_at)
 
-        def ref(node: fx.Node) -> str:
-            return f"{'v' if self.kind[node] == PER_MICRO_BATCH else 's'}[{self.slot[node]}]"
+        def last_read_in(node: fx.Node, k: int) -> bool:
+            return node not in last or segment_of[nodes[last[node]]] == k
 
-        def render(value: Any) -> str:
-            if isinstance(value, fx.Node):
-                return ref(value)
-            if isinstance(value, list):
-                return "[" + ", ".join(render(x) for x in value) + "]"
-            if isinstance(value, tuple):
-                return "(" + "".join(render(x) + ", " for x in value) + ")"
-            if value is None or isinstance(value, (bool, int, str)):
-                return repr(value)
-            consts.append(value)
-            return f"c[{len(consts) - 1}]"
+        def part(name: str, group: list[fx.Node], extra_inputs: Sequence[fx.Node], k: int) -> Part | None:
+            """``group`` as a boxed graph module; ``extra_inputs``: values it only passes on (summed)."""
+            produced = set(group)
+            reduced = [(n, p) for n in (*group, *extra_inputs) for p in reduce_at.get(n, ())] if name == "body" else []
+            kept = [n for n in group if n in last and segment_of[nodes[last[n]]] > k] if name == "body" else \
+                [n for n in group if n in last]
+            if not group and not reduced:
+                return None
+            g = fx.Graph()
+            env: dict[fx.Node, fx.Node] = {}
+            inputs: list[tuple[str, int, bool]] = []
 
-        fns: list[Any] = []
+            def read(a: fx.Node) -> fx.Node:
+                if a not in env:
+                    env[a] = g.placeholder(a.name)
+                    per = self.kind[a] == PER_MICRO_BATCH
+                    inputs.append((BATCH_SLOTS if per else SHARED_SLOTS, self.slot[a], per and last_read_in(a, k)))
+                return env[a]
 
-        def call(node: fx.Node) -> str:
-            if node.op == "get_attr":
-                consts.append(_attr(gm, node.target))
-                return f"{ref(node)} = c[{len(consts) - 1}]"
-            if node.target is operator.getitem and not node.kwargs:
-                return f"{ref(node)} = {render(node.args[0])}[{render(node.args[1])}]"
-            fns.append(node.target)
-            args = [render(a) for a in node.args] + [f"{k}={render(v)}" for k, v in node.kwargs.items()]
-            return f"{ref(node)} = f[{len(fns) - 1}]({', '.join(args)})"
+            for n in group:
+                for a in n.all_input_nodes:
+                    if a not in produced:
+                        read(a)
+                env[n] = g.node_copy(n, lambda a: env[a])
+            outputs = [(SHARED_SLOTS if self.kind[n] != PER_MICRO_BATCH else BATCH_SLOTS, self.slot[n]) for n in kept]
+            results = [env[n] for n in kept]
+            for n, p in reduced:
+                results.append(env[n] if n in env else read(n))
+                outputs.append((REDUCED, p))
+            g.output(tuple(results))
+            g.set_codegen(_BoxedCodeGen())
+            return Part(fx.GraphModule(gm, g, class_name=f"segment_{k}_{name}"), tuple(inputs), tuple(outputs))
 
         self.segments: list[Segment] = []
         for k, group in enumerate(groups):
-            pre = [call(n) for n in group if self.kind[n] == SHARED]
-            post = [call(n) for n in group if self.kind[n] == EVICT]
-            body: list[str] = []
-            produced_here = [n for n in nodes if n.op == "placeholder" and k == 0] + group
-            for n in produced_here:  # shared values and inputs of this segment that are outputs: summed first
-                if n in reduce_at and self.kind[n] != PER_MICRO_BATCH:
-                    body += [f"r({p}, {ref(n)})" for p in reduce_at[n]]
-            for n in produced_here:
-                if n in reduce_at and self.kind[n] == PER_MICRO_BATCH and n.op == "placeholder":
-                    body += [f"r({p}, {ref(n)})" for p in reduce_at[n]]
             body_nodes = [n for n in group if self.kind[n] == PER_MICRO_BATCH]
-            for n in body_nodes:
-                body.append(call(n))
-                body += [f"r({p}, {ref(n)})" for p in reduce_at.get(n, ())]
-                # per-micro-batch values whose last reader is this node: gone for this micro-batch
-                for a in n.all_input_nodes:
-                    if self.kind[a] == PER_MICRO_BATCH and last.get(a) == order[n]:
-                        body.append(f"v[{self.slot[a]}] = None")
-                if self.kind[n] == PER_MICRO_BATCH and n not in last:
-                    body.append(f"v[{self.slot[n]}] = None")  # never read (or only summed)
-            if k == 0:  # inputs nobody reads (or only summed)
-                body += [f"v[{slot}] = None" for slot, _, mine in self.inputs
-                         if mine and nodes[slot] not in last]
+            # shared values and inputs made before the body that are outputs: summed for every micro-batch
+            passed = [n for n in (*(n for n in nodes if n.op == "placeholder" and k == 0), *group)
+                      if n in reduce_at and n not in body_nodes]
             # shared values whose last reader is in this segment (a value the output keeps is never freed)
             frees = tuple(self.slot[a] for a in nodes if self.kind.get(a) in (SHARED, EVICT) and a in last
                           and segment_of.get(nodes[last[a]]) == k)
             self.segments.append(Segment(
-                pre=_function("pre", ["s"], pre, fns, consts), body=_function("body", ["s", "v", "r"], body, fns, consts),
-                post=_function("post", ["s"], post, fns, consts), draws=any(draws(n) for n in body_nodes),
+                shared=part("shared", [n for n in group if self.kind[n] == SHARED], (), k),
+                body=part("body", body_nodes, passed, k),
+                evicts=part("evicts", [n for n in group if self.kind[n] == EVICT], (), k),
+                draws=any(draws(n) for n in body_nodes),
                 frees=frees + tuple(self.slot[n] for n in group if self.kind[n] in (SHARED, EVICT) and n not in last),
                 nodes=len(body_nodes)))
-        self._collect = None if reduce else _function(
-            "collect", ["s", "v"], [f"return [{', '.join(render(x) for x in self.outputs)}]"], fns, consts)
 
     def run(self, arg_lists: Sequence[list], *, switch: Callable[[int], None] | None = None,
             switched: Callable[[int], None] | None = None, initial: Sequence[Any] | None = None) -> list:
@@ -207,12 +244,13 @@ class Lockstep:
         list order, starting from ``initial`` (per output, or ``None``). ``switch(i)`` runs before and
         ``switched(i)`` after a segment's drawing nodes run for micro-batch ``i``. The lists are cleared."""
         shared: list[Any] = [None] * self.size
-        mine: list[list[Any]] = [[None] * self.size for _ in arg_lists]
+        per_batch_values: list[list[Any]] = [[None] * self.size for _ in arg_lists]
         first = arg_lists[0]
         for slot, position, per in self.inputs:
             if per:
-                for values, args in zip(mine, arg_lists):
-                    values[slot] = args[position]
+                if slot not in self.unread_inputs:
+                    for values, args in zip(per_batch_values, arg_lists):
+                        values[slot] = args[position]
             else:
                 shared[slot] = first[position]
         for args in arg_lists:
@@ -223,32 +261,36 @@ class Lockstep:
             sums[p] = value if sums[p] is None else sums[p] + value
 
         for segment in self.segments:
-            segment.pre(shared)
-            for i, values in enumerate(mine):
+            if segment.shared is not None:
+                segment.shared.run(shared, None, None)
+            for i, values in enumerate(per_batch_values):
                 if segment.draws and switch is not None:
                     switch(i)
-                segment.body(shared, values, add)
+                if segment.body is not None:
+                    segment.body.run(shared, values, add)
                 if segment.draws and switched is not None:
                     switched(i)
-            segment.post(shared)
+            if segment.evicts is not None:
+                segment.evicts.run(shared, None, None)
             for slot in segment.frees:
                 shared[slot] = None
         if self.reduce:
             return sums
-        return [self._collect(shared, values) for values in mine]
+        return [[self._value(x, shared, values) for x in self.outputs] for values in per_batch_values]
 
+    def _value(self, x: Any, shared: list, values: list) -> Any:
+        if isinstance(x, fx.Node):
+            return (values if self.kind[x] == PER_MICRO_BATCH else shared)[self.slot[x]]
+        return x
 
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _function(name: str, params: list[str], lines: list[str], fns: list[Any], consts: list[Any]) -> Callable:
-    """``lines`` as the body of a function ``name(*params)`` that sees ``f`` (the nodes' targets) and
-    ``c`` (constants)."""
-    source = f"def {name}({', '.join(params)}):\n" + "".join(f"    {line}\n" for line in lines or ["pass"])
-    scope: dict[str, Any] = {"f": fns, "c": consts}
-    exec(compile(source, f"<poros lockstep {name}>", "exec"), scope)
-    return scope[name]
+    def readable(self) -> str:
+        """Every segment's graphs as readable Python (what the dumps write)."""
+        out = [f"# lockstep: {len(self.segments)} segments, {'outputs summed over' if self.reduce else 'run for'} "
+               "every micro-batch; per segment its shared nodes (once), its per-micro-batch nodes (for each "
+               "micro-batch, in order) and its evicts (once)\n"]
+        for k, segment in enumerate(self.segments):
+            out.append(f"# segment {k}: {segment.nodes} per-micro-batch nodes{' (draws)' if segment.draws else ''}\n")
+            for part in (segment.shared, segment.body, segment.evicts):
+                if part is not None:
+                    out.append(part.gm.print_readable(print_output=False, include_stride=True, include_device=True))
+        return "\n".join(out)

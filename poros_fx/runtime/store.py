@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import PorosConfigError
+from ..units import gib
 from .arena import HostArena, nbytes
 from .ledger import ResidencyLedger
 
@@ -93,7 +94,7 @@ class HostStore:
     kept_hosts: set[int] = dataclasses.field(default_factory=set)  # ids of host tensors the plan keeps resident
     kept_ids: dict[int, bool] = dataclasses.field(default_factory=dict)  # id(device copy) kept -> booked in the ledger
     # turn-around: a training forward's last blocks stay for the backward, which starts with them
-    turnaround: dict[tuple[int, ...], list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # host ptrs -> copies
+    copies_for_backward: dict[tuple[int, ...], list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # host ptrs -> forward copies the backward takes
     stashed_ids: set[int] = dataclasses.field(default_factory=set)  # ids of those copies, booked, not yet evicted
     offload_boundaries: bool = False  # the saved block outputs wait in host memory (options={"offload_boundaries": ...} wins)
     lm_ref: Any = None  # weakref to the prepared *ForCausalLM module (its chunked-loss flag, loss.py)
@@ -140,23 +141,22 @@ class HostStore:
         sizes = self.block_bytes()
         layer = max(sizes[1:-1]) / self.block_size if len(sizes) > 2 else 0
         ends = max(sizes[0], sizes[-1] / self.head_chunks)  # a chunked head holds one chunk at a time
-        gib = 2**30
-        lines = [f"out of device memory loading {nbytes / gib:.2f} GiB for block {self.block_names[block]!r} "
+        lines = [f"out of device memory loading {gib(nbytes)} for block {self.block_names[block]!r} "
                  f"(stream={stream}, block_size={self.block_size}, prefetch={self.prefetch}). Measured now: "
-                 f"{free / gib:.2f} GiB free on the device of {total / gib:.1f} GiB, {cached / gib:.2f} GiB cached by "
-                 f"torch's allocator, {base_now / gib:.2f} GiB of base weights resident."]
+                 f"{gib(free)} free on the device of {gib(total, 1)}, {gib(cached)} cached by "
+                 f"torch's allocator, {gib(base_now)} of base weights resident."]
         fits = [(bs, p) for bs in (4, 2, 1) for p in (2, 1, 0)
                 if (1 + p) * max(bs * layer, ends) <= budget]
         if not stream:
             lines.append("stream=False keeps the whole base resident; stream it (the default) to hold one block.")
         if fits:
             bs, p = fits[0]
-            lines.append(f"A schedule that would fit the {budget / gib:.2f} GiB the base can use: block_size={bs}, "
-                         f"prefetch={p} ({(1 + p) * max(bs * layer, ends) / gib:.2f} GiB of base weights at once); "
+            lines.append(f"A schedule that would fit the {gib(budget)} the base can use: block_size={bs}, "
+                         f"prefetch={p} ({gib((1 + p) * max(bs * layer, ends))} of base weights at once); "
                          "activations and dequantized weights need room on top, so leave some.")
         else:
-            lines.append(f"Even block_size=1, prefetch=0 needs {max(layer, ends) / gib:.2f} GiB of base weights at once, "
-                         f"more than the {budget / gib:.2f} GiB the base can use: shorten the sequence, lower the "
+            lines.append(f"Even block_size=1, prefetch=0 needs {gib(max(layer, ends))} of base weights at once, "
+                         f"more than the {gib(budget)} the base can use: shorten the sequence, lower the "
                          "batch size, or free device memory held elsewhere in the process.")
         return " ".join(lines)
 

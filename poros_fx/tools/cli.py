@@ -15,7 +15,9 @@ holding one, or a hub id already in the local huggingface cache (nothing is down
 
 This module is the typer app: each command reads its options and prints; the substance lives beside it
 (``sources``: names to configs and data, ``train_run``: the training loop, ``run_state``: the resume
-state, ``evaluation``: streamed evaluation, ``terminal``: console, errors, progress).
+state, ``evaluation``: streamed evaluation, ``terminal``: console, errors, progress). It runs past 500
+lines because each command's typer options are declared here, one per line (``train`` alone takes about
+thirty); the commands' bodies are short.
 """
 
 from __future__ import annotations
@@ -27,17 +29,37 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from .. import distributed
+from ..compiler.backend import poros
+from ..errors import PorosConfigError, PorosError, UnsupportedArchitectureError
+from ..families import resolve
+from ..handles import get_store
+from ..io.export import export_merged
+from ..io.loader import from_config as random_model, load_pretrained
+from ..io.sizes import block_bytes
+from ..options import AUTO, device_problem, parse_prefetch
+from ..loss import loss_chunk_count
+from ..prepare import head_chunk_count
+from ..runtime.arena import shm_dir, shm_free_bytes
+from ..runtime.budget import estimate
+from ..runtime.depth import LIMIT
+from ..units import format_bytes, parse_size
+from . import bench as harness, multi_bench
+from .estimate import lora_bytes, step_memory
+from .evaluation import evaluate
+from .h2d import measure_gpus, measure_ranks
+from .run_config import read_run_config
+from .run_state import claim_out, resume_settings
 from .sources import load_config, model_source, read_data, set_layers
 from .terminal import StepLog, console, fail
+from .tiny import demo_batches, lora_targets
+from .train_run import Interrupted, TrainOptions, train as train_run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="poros-fx: stream a frozen LoRA/QLoRA base "
                   "through the GPU block by block, bit-exact, as a torch.compile backend.")
 
 
 def _prefetch(value: str) -> int | str:
-    from ..errors import PorosConfigError
-    from ..prepare import parse_prefetch
-
     try:
         return parse_prefetch(value)
     except PorosConfigError as e:
@@ -45,9 +67,6 @@ def _prefetch(value: str) -> int | str:
 
 
 def _memory_budget(value: Optional[str]) -> Optional[str]:
-    from ..errors import PorosConfigError
-    from ..runtime.budget import parse_size
-
     try:
         parse_size(value)
     except PorosConfigError as e:
@@ -75,7 +94,6 @@ def _device(value: Optional[str]) -> Optional[str]:
     """``--device``: cpu or cuda[:N], and cuda only where torch sees one (refused here, not as a traceback)."""
     if value is None:
         return None
-    from ..prepare import device_problem
 
     problem = device_problem(value)
     if problem is not None:
@@ -96,10 +114,6 @@ def doctor() -> None:
 
     import torch
 
-    from .. import distributed
-    from ..runtime.arena import shm_dir, shm_free_bytes
-    from .report import format_bytes
-
     ranks = distributed.launched_ranks()
     h2d: list = []
     h2d_error = None
@@ -110,8 +124,6 @@ def doctor() -> None:
         try:
             distributed.init_process_group()
             if cuda:
-                from .h2d import measure_ranks
-
                 h2d = measure_ranks()
         except Exception as err:  # report, do not crash: this is the diagnosis command
             h2d_error = f"{type(err).__name__}: {err}"
@@ -121,8 +133,6 @@ def doctor() -> None:
         if ranks.rank != 0:
             return
     elif cuda:
-        from .h2d import measure_gpus
-
         try:
             h2d = [vars(m) for m in measure_gpus()]
         except Exception as err:
@@ -157,8 +167,6 @@ def doctor() -> None:
     try:
         from torch._dynamo.backends.registry import lookup_backend
 
-        from ..compiler.backend import poros
-
         resolves = lookup_backend("poros") is poros
         table.add_row('backend="poros"', "resolves (entry point torch_dynamo_backends)" if resolves
                       else "[red]resolves to something else[/red]")
@@ -182,14 +190,6 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
                                                   "memory")) -> None:
     """Family and its status, base bytes per block, the predicted resident peak of the base, an estimate
     of the step's device memory and, with --memory-budget, the plan it would make. No weights."""
-    from ..errors import UnsupportedArchitectureError
-    from ..families import resolve
-    from ..loss import loss_chunk_count
-    from ..prepare import AUTO, head_chunk_count
-    from ..runtime.depth import LIMIT
-    from ..io.sizes import block_bytes
-    from .report import format_bytes
-
     config = load_config(model_or_config)
     try:
         family = resolve(config.model_type)
@@ -227,11 +227,6 @@ def _check_step(config, family, names: list[str], sizes: list[int], window: int,
                 accumulate: int, lora_r: int, memory_budget: Optional[str], loss_chunks: Optional[int] = None,
                 offload_boundaries: bool = False) -> None:
     """``check``'s estimate of the step (tools/estimate.py) and, with a budget, the plan it would make."""
-    from ..runtime.budget import estimate, parse_size
-    from .estimate import lora_bytes, step_memory
-    from .report import format_bytes
-    from .tiny import lora_targets
-
     adapter = lora_bytes(config, family, lora_targets(config.model_type), lora_r)
     est = step_memory(config, window, seq=seq_len, batch=batch_size, in_flight=accumulate, adapter_bytes=adapter,
                       loss_chunks=loss_chunks, offload_boundaries=offload_boundaries)
@@ -273,10 +268,6 @@ def dump(model_or_config: str = typer.Argument(..., help="built-in shape, config
     import peft
     import torch
 
-    from ..errors import PorosError
-    from ..io.loader import from_config
-    from .tiny import demo_batches, lora_targets
-
     if quantization not in ("nf4", "bf16"):
         raise fail(f"--quantization must be nf4 or bf16, got {quantization!r}")
     config = load_config(model_or_config)
@@ -286,7 +277,7 @@ def dump(model_or_config: str = typer.Argument(..., help="built-in shape, config
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=lora_targets(config.model_type))
     try:
         with console.status(f"building {config.model_type} with {count} layers ({quantization}, random init)"):
-            model = from_config(config, quantization=quantization, device=device, seed=0, lora=lora,
+            model = random_model(config, quantization=quantization, device=device, seed=0, lora=lora,
                                 block_size=block_size, prefetch=prefetch, codegen=codegen, progress=False)
     except PorosError as e:
         hint = "" if layers is not None else f" (dump builds all {count} layers of the config; --layers 2 builds two)"
@@ -383,11 +374,6 @@ def train(ctx: typer.Context,
           log_every: Optional[int] = typer.Option(None, min=1, help="steps between log lines when not on a terminal "
                                                   "(default: about 10 lines)")) -> None:
     """Train a LoRA adapter on a streamed base (NF4 or bf16) and write it as a standard PEFT adapter."""
-    from .run_config import read_run_config
-    from .run_state import claim_out, resume_settings
-    from .train_run import TrainOptions
-    from .train_run import train as train_run
-
     if model is not None and model_option is not None:
         raise fail("give the model once: MODEL or --model, not both")
     values = {name: value for name, value in locals().items() if name in _OPTION_NAMES}
@@ -455,12 +441,6 @@ def eval_command(model: str = typer.Argument(..., help="model folder or cached h
 
     import torch
 
-    from ..errors import PorosError
-    from ..io.loader import from_config as random_model
-    from ..io.loader import load_pretrained
-    from ..prepare import get_store
-    from .evaluation import evaluate
-
     if quantization not in ("nf4", "bf16"):
         raise fail(f"--quantization must be nf4 or bf16, got {quantization!r}")
     try:
@@ -506,9 +486,6 @@ def eval_command(model: str = typer.Argument(..., help="model folder or cached h
 
 def _parse_size(text: str) -> int:
     """'5GB', '500MB', '2GiB' or a number of bytes (runtime/budget.py's parser, as for --memory-budget)."""
-    from ..errors import PorosConfigError
-    from ..runtime.budget import parse_size
-
     try:
         return parse_size(text, "--max-shard-size")
     except PorosConfigError as e:
@@ -524,10 +501,6 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
            any_base: bool = typer.Option(False, "--any-base", help="merge even when the adapter names another base "
                                          "(base_model_name_or_path); the shapes are checked either way")) -> None:
     """Merge a LoRA adapter into a bf16 copy of its base, tensor by tensor (never the whole model in memory)."""
-    from ..errors import PorosError
-    from ..io.export import export_merged
-    from .report import format_bytes
-
     limit = _parse_size(max_shard_size)
     try:
         if console.is_terminal:
@@ -585,13 +558,10 @@ def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: t
     import torch
 
     if nproc is not None:
-        from . import multi_bench
-
         multi_bench.main(["--nproc", str(nproc), "--model", models.split(",")[0], "--seq", seqs.split(",")[0],
                           "--steps", str(steps), "--warmup", str(warmup), "--device", device,
                           "--out", str(json_path.with_suffix(""))])
         return
-    from . import bench as harness
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise fail(harness.NO_CUDA_MESSAGE)
@@ -610,9 +580,6 @@ def main() -> None:
     """The ``poros-fx`` script: every error is one ``error:`` line on stderr, exit code 2 for bad input (130 for
     Ctrl-C); click's usage errors and poros-fx's own errors alike."""
     from typer._click.exceptions import NoArgsIsHelpError, UsageError  # typer vendors click: its exceptions
-
-    from ..errors import PorosError
-    from .train_run import Interrupted
 
     try:
         code = app(standalone_mode=False)

@@ -11,6 +11,8 @@ import math
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
+from ..io.data import eval_batches
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -37,8 +39,6 @@ def evaluate(model: "nn.Module", dataset: "TokenDataset", batch_size: int, devic
     mean over all supervised tokens (each batch's mean loss weighted by its token count, summed in float64),
     perplexity ``exp(loss)``. ``progress(batches_done, running_loss)`` after each batch."""
     import torch
-
-    from ..io.data import eval_batches
 
     started = time.perf_counter()
     total, tokens, losses = 0.0, 0, []

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..distributed import HostShare, rank_device
 from ..runtime.arena import HostArena, create_shared, shm_free_bytes
 
 
@@ -104,8 +105,6 @@ def measure_ranks(mib: int = 256, reps: int = 5) -> list[dict[str, Any]]:
     copying at once. Returns every rank's ``H2D`` as a dict, by rank."""
     import torch.distributed as dist
 
-    from ..distributed import HostShare, rank_device
-
     nbytes = mib * 2**20
     device = rank_device()
     share = HostShare.open(nbytes)
@@ -127,8 +126,8 @@ def measure_ranks(mib: int = 256, reps: int = 5) -> list[dict[str, Any]]:
         dist.barrier()
         together = _gbps(nbytes, copy_seconds(arena.buffer, device, reps))
         out: list[Any] = [None] * dist.get_world_size()
-        mine = H2D(f"rank {dist.get_rank()} ({device})", alone, together, kind)
-        dist.all_gather_object(out, dataclasses.asdict(mine))
+        own = H2D(f"rank {dist.get_rank()} ({device})", alone, together, kind)
+        dist.all_gather_object(out, dataclasses.asdict(own))
         arena.unpin()
         return out
     finally:

@@ -46,6 +46,15 @@ from typing import Any, Iterator
 
 import torch
 
+from .. import distributed
+from ..handles import causal_lm, get_store
+from ..io.loader import from_config
+from ..prepare import unprepare
+from ..runtime.share import host_key
+from ..stats import stats
+from .h2d import measure_ranks
+from .tiny import lora_targets, qwen25_config, tiny_config
+
 METHODS = ("poros", "fsdp2_offload")
 LOG_TAIL = 3000  # characters of a failed run's output kept in its row (the whole log is in logs/)
 
@@ -223,8 +232,6 @@ def memory_sampler(every: float = 0.2) -> Iterator[dict[str, int]]:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from .tiny import qwen25_config, tiny_config
-
     config = tiny_config("qwen2", layers=2) if args.model == "tiny" else qwen25_config(args.model)
     if args.layers:
         config.num_hidden_layers = args.layers
@@ -234,17 +241,12 @@ def _config(args: argparse.Namespace) -> Any:
 def _lora() -> Any:
     import peft
 
-    from .tiny import lora_targets
-
     return peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=lora_targets("qwen2"))
 
 
 def _poros_model(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Any, Any]:
     """(model, what to call, context of each call): the shared base, DDP when there are several ranks."""
     import torch.distributed as dist
-
-    from .. import distributed
-    from ..io.loader import from_config
 
     torch.manual_seed(0)  # the LoRA init, the same on every rank
     model = from_config(_config(args), quantization=args.quantization, device=device, seed=0, lora=_lora(),
@@ -258,9 +260,6 @@ def _fsdp2_model(args: argparse.Namespace, device: torch.device) -> tuple[torch.
     """The same PEFT model under FSDP2 with CPU offload (every rank builds it; fully_shard keeps its shard)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
-
-    from ..io.loader import from_config
-    from ..prepare import causal_lm, unprepare
 
     torch.manual_seed(0)
     model = from_config(_config(args), quantization=args.quantization, device=device, seed=0, lora=_lora(),
@@ -279,9 +278,6 @@ def worker(args: argparse.Namespace) -> None:
     """One rank of one row: build, warm up, time, gather to rank 0, which writes the row's JSON."""
     import torch.distributed as dist
 
-    from .. import distributed
-    from ..distributed import host_key
-
     distributed.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
     device = distributed.rank_device()
@@ -289,8 +285,6 @@ def worker(args: argparse.Namespace) -> None:
                               "device": str(device)}
     try:
         if device.type == "cuda":
-            from .h2d import measure_ranks
-
             record["pinned_gbps"] = measure_ranks()[rank]["together"]
             torch.cuda.reset_peak_memory_stats(device)
         with memory_sampler() as memory:
@@ -329,9 +323,6 @@ def _steps(args: argparse.Namespace, step_model: Any, optimizer: torch.optim.Opt
            model: torch.nn.Module) -> tuple[list[float], float, int | None]:
     """Warm-up and timed steps; returns the timed steps' seconds, the last loss, and the base bytes the
     timed steps loaded (``None`` without a host store)."""
-    from ..stats import stats
-    from ..prepare import get_store
-
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)

@@ -16,6 +16,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ..runtime.accumulate import block_major as block_major_step
+
 
 @dataclasses.dataclass
 class Trace:
@@ -42,8 +44,6 @@ def train(model: nn.Module, step_model: Callable, batches: Sequence[dict], *, ac
     ``block_major``: each optimizer step's micro-batches run inside ``poros_fx.block_major`` (a prepared
     model; ``runtime/accumulate.py``).
     """
-    from ..runtime.accumulate import block_major as block_major_step
-
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer if optimizer is not None else adamw(model, lr)
     if seed is not None:

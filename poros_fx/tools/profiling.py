@@ -1,4 +1,5 @@
-"""Where a step's time goes: one step under ``torch.profiler``, reduced to a few numbers.
+"""Where a step's time and a process's memory go: one step under ``torch.profiler`` reduced to a few
+numbers, a sampler of this process's host memory, and a measurement run in a fresh process.
 
 ``profile_step(step, path)`` runs ``step()`` once under the profiler (CPU and, on CUDA, GPU activity),
 writes the Chrome trace (``.json.gz``, open it in Perfetto) and returns ``summarize`` of it:
@@ -19,18 +20,32 @@ writes the Chrome trace (``.json.gz``, open it in Perfetto) and returns ``summar
 The compute stream is the one with the most kernel time; copy streams are the others that run
 host-to-device copies. A compute-stream gap counts as ``cpu`` when the next kernel's launch call
 ended after the gap began (the GPU ran dry: the step is launch-bound there), else as ``waiting``.
+
+Host memory (``Sampler``): a thread reads ``/proc/self/status`` (VmRSS, RssAnon, RssFile) and
+``/proc/meminfo`` (MemAvailable) every few ms and keeps the peaks and named marks; ``reset_peak_rss``
+resets VmHWM. ``run_child`` runs a measurement in a fresh process (no peak of one case leaks into the
+next) and reads its one JSON result line (``result_stream`` in the child keeps stdout for it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
+import os
 import re
+import subprocess
+import sys
+import threading
+import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, TextIO
 
 import torch
+
+from ..io.host_memory import proc_meminfo
+from ..units import table_gb, table_gib
 
 _MALLOC_CALLS = ("cudaMalloc", "cudaFree")  # the caching allocator growing or flushing: slow, and cudaFree syncs
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -165,3 +180,160 @@ def profile_step(step: Callable[[], Any], path: str | Path) -> dict[str, Any]:
             json.dump(trace, f)
         raw.unlink()
     return summarize(trace)
+
+
+# -- host memory of this process (/proc, no psutil) --------------------------------------------------
+
+def proc_status(path: str = "/proc/self/status") -> dict[str, int]:
+    """The memory lines of /proc/self/status in bytes (VmRSS, VmHWM, RssAnon, RssFile, RssShmem, VmLck, VmPin)."""
+    out = {}
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key.startswith(("Vm", "Rss")):
+                    parts = rest.split()
+                    if len(parts) == 2 and parts[1] == "kB":
+                        out[key] = int(parts[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (write "5" to /proc/self/clear_refs, Linux >= 4.0); True if it took."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    now = proc_status()
+    return "VmHWM" in now and now["VmHWM"] <= now.get("VmRSS", 0) + (1 << 20)
+
+
+class Sampler:
+    """A thread reading /proc/self/status and /proc/meminfo every ``interval`` s; keeps the peaks.
+
+    ``extra()`` adds readings to each named mark (GPU memory); ``log(line)`` reports each mark."""
+
+    def __init__(self, interval: float, extra: Callable[[], dict[str, Any]] | None = None,
+                 log: Callable[[str], None] | None = None) -> None:
+        self.interval = interval
+        self.extra = extra
+        self.log = log
+        self.peak: dict[str, int] = {}
+        self.min_available: int | None = None
+        self.samples = 0
+        self.started = time.perf_counter()
+        self.timeline: list[tuple[float, int | None, int | None]] = []
+        self.marks: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> dict[str, int]:
+        now = proc_status()
+        for k, v in now.items():
+            if k in ("VmRSS", "RssAnon", "RssFile", "RssShmem") and v > self.peak.get(k, -1):
+                self.peak[k] = v
+        avail = proc_meminfo("MemAvailable")
+        if avail is not None and (self.min_available is None or avail < self.min_available):
+            self.min_available = avail
+        self.samples += 1
+        t = round(time.perf_counter() - self.started, 3)
+        self.timeline.append((t, now.get("RssAnon"), now.get("RssFile")))
+        return now
+
+    def mark(self, name: str) -> None:
+        """Record the memory at a named point (and the peaks so far)."""
+        now = self._sample()
+        extra = self.extra() if self.extra is not None else {}
+        self.marks.append({"phase": name, "t": self.timeline[-1][0], "rss": now.get("VmRSS"),
+                           "anon": now.get("RssAnon"), "file": now.get("RssFile"),
+                           "anon_peak_so_far": self.peak.get("RssAnon"), "file_peak_so_far": self.peak.get("RssFile"),
+                           **extra})
+        if self.log is not None:
+            gpu = "".join(f", {k} {table_gb(v)} GB" for k, v in extra.items())
+            self.log(f"  {name}: +{self.timeline[-1][0]:.1f} s, anon {table_gib(now.get('RssAnon'))} GiB (peak so far "
+                     f"{table_gib(self.peak.get('RssAnon'))}), file-backed {table_gib(now.get('RssFile'))} GiB{gpu}")
+
+    def coarse_timeline(self, points: int = 120) -> list[tuple[float, int | None, int | None]]:
+        """At most ``points`` (seconds, RssAnon, RssFile) samples, evenly spread, keeping the anon peak."""
+        step = max(1, -(-len(self.timeline) // points))
+        keep = set(range(0, len(self.timeline), step)) | {len(self.timeline) - 1}
+        anon = [a or 0 for _, a, _ in self.timeline]
+        if anon:
+            keep.add(anon.index(max(anon)))
+        return [self.timeline[i] for i in sorted(keep)]
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.interval)
+
+    def start(self) -> None:
+        self._sample()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+@contextlib.contextmanager
+def sampling(interval: float, extra: Callable[[], dict[str, Any]] | None = None,
+             log: Callable[[str], None] | None = None) -> Iterator[Sampler]:
+    """A running ``Sampler`` for the block, stopped (with a last sample) after it."""
+    sampler = Sampler(interval, extra, log)
+    sampler.start()
+    try:
+        yield sampler
+    finally:
+        sampler.stop()
+
+
+# -- one measurement in a fresh process --------------------------------------------------------------
+
+def child_env(root: Path, extra: list[str] | None = None) -> dict[str, str]:
+    """This process's environment for a measured child: ``extra`` KEY=VALUE items, the hub offline and
+    quiet, and ``root`` (the checkout) on ``PYTHONPATH``."""
+    env = dict(os.environ)
+    for item in extra or ():
+        key, _, value = item.partition("=")
+        env[key] = value
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run_child(cmd: list[str], mark: str, timeout: float | None, env: dict[str, str],
+              cwd: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """Run ``cmd`` in a fresh process: (the JSON it printed on a line starting with ``mark``, or an error)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env, cwd=cwd)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return None, f"timed out after {timeout:.0f} s (killed)"
+    found = None
+    for line in out.splitlines():
+        if line.startswith(mark):
+            found = json.loads(line[len(mark):])
+    if found is not None:
+        return found, None
+    why = f"child exited with {proc.returncode} and no result"
+    if proc.returncode == -9:
+        why += " (SIGKILL: host out of memory?)"
+    return None, why
+
+
+def result_stream() -> TextIO:
+    """In a measured child: the original stdout, kept for the one result line; everything else anything
+    prints (libraries too) goes to stderr from now on."""
+    result = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return result

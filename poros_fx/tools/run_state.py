@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import PorosConfigError
+from ..io.loader import LoaderError, read_safetensors_header
 from .sources import as_path, split_targets
 
 if TYPE_CHECKING:
@@ -159,8 +160,6 @@ def save_train_state(out: Path, model: nn.Module, named: Named, optimizer: torch
 def load_train_state(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(meta, tensors)`` of a run's ``STATE_FILE`` (see ``save_train_state``)."""
     from safetensors import safe_open
-
-    from ..io.loader import LoaderError, read_safetensors_header
 
     path = folder / STATE_FILE
     if not folder.is_dir():

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from ..errors import PorosConfigError
+from ..io.data import load_dataset
+from ..io.loader import resolve_folder
+from .tiny import lora_targets, qwen25_config
 
 if TYPE_CHECKING:
     import transformers
@@ -27,8 +30,6 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
 def load_config(model_or_config: str) -> "transformers.PretrainedConfig":
     """A transformers config from a built-in name, a config.json, a folder, or the local hub cache."""
     import transformers
-
-    from .tiny import qwen25_config
 
     if model_or_config.lower() in BUILTIN:
         return qwen25_config(model_or_config.lower().split("-", 1)[1])
@@ -59,8 +60,6 @@ def set_layers(config: "transformers.PretrainedConfig", layers: int) -> None:
 def model_source(spec: str) -> tuple[bool, Optional[Path]]:
     """``(has_checkpoint, folder)`` for eval's MODEL: a folder (or cached hub id) with weight files is a
     checkpoint; a built-in shape, a config.json or a folder holding only a config means random weights."""
-    from ..io.loader import resolve_folder
-
     if spec.lower() in BUILTIN:  # as load_config reads it
         return False, None
     path = Path(spec)
@@ -75,8 +74,6 @@ def train_source(model: Optional[str], from_config: Optional[str]
                  ) -> tuple["transformers.PretrainedConfig", Optional[Path]]:
     """``(config, folder)`` for train's MODEL (a checkpoint folder or cached hub id) or ``--from-config``
     (random weights); ``folder`` is where a tokenizer may be saved, None for a built-in shape."""
-    from ..io.loader import resolve_folder
-
     if model is not None:
         folder: Optional[Path] = resolve_folder(model)
         return load_config(str(folder)), folder
@@ -100,8 +97,6 @@ def read_data(data: str, config: "transformers.PretrainedConfig", folder: Option
               seq_len: int, pack: bool, train_on: str = "completion", split: Optional[str] = None,
               tokenizer: "Optional[transformers.PreTrainedTokenizerBase]" = None) -> "TokenDataset":
     """The dataset of ``data``, tokenized with ``tokenizer`` (default: the one saved in ``folder``, if any)."""
-    from ..io.data import load_dataset
-
     if tokenizer is None:
         tokenizer = tokenizer_of(folder)
     hint = f" in {folder}" if folder is not None else f" for the built-in shape {shape}"
@@ -135,8 +130,6 @@ def split_targets(values: Optional[list[str]]) -> list[str]:
 
 def target_modules(values: Optional[list[str]], model_type: str) -> list[str]:
     """The LoRA targets of ``--target-modules``, or every linear of a decoder layer when none are given."""
-    from .tiny import lora_targets
-
     if not values:
         return lora_targets(model_type)
     return split_targets(values)

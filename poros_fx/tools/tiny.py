@@ -12,6 +12,9 @@ import torch
 import transformers
 from torch import nn
 
+from ..io.loader import quiet_peft
+from ..io.quantize import quantize_nf4
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Phi-3 fuses q/k/v into one projection and gate/up into another
 FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
@@ -90,14 +93,10 @@ def lora_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = to
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     if nf4:
-        from ..io.quantize import quantize_nf4
-
         quantize_nf4(model, compute_dtype=dtype, device=device)
     torch.manual_seed(seed + 1)
     lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=lora_targets(config.model_type),
                            init_lora_weights="gaussian")
-    from ..io.loader import quiet_peft
-
     with quiet_peft():  # peft's read of a property transformers deprecated (see quiet_peft)
         model = peft.get_peft_model(model, lora)
     # a non-zero B so every adapter weight has a gradient from the first step

@@ -42,18 +42,19 @@ from torch import nn
 from .. import distributed, stats
 from ..errors import PorosConfigError, PorosError
 from ..families import resolve
+from ..handles import causal_lm, get_store
 from ..io.data import TokenDataset, batches
 from ..io.loader import from_config as random_model
 from ..io.loader import load_pretrained
-from ..options import set_trace_options
-from ..prepare import AUTO, causal_lm, get_store
+from ..options import AUTO
+from ..prepare import set_trace_options
+from ..report import report
 from ..runtime.accumulate import step_context
 from ..runtime.lengths import mark_dynamic
-from ..runtime.budget import parse_size
+from ..units import format_bytes, parse_size
 from .estimate import lora_bytes, step_memory
 from .evaluation import evaluate
 from .metrics import MetricsLog
-from .report import format_bytes, report
 from .run_config import RUN_CONFIG_FILE, write_run_config
 from .run_state import (STATE_FILE, Named, check_resumable, checkpoint_folder, fingerprint, keep_checkpoints,
                         model_fingerprint, restore, rng_state, save_train_state)

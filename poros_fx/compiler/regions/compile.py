@@ -29,11 +29,11 @@ import torch
 import torch.fx as fx
 
 from ...errors import PorosConfigError
+from ...options import CODEGENS
 from .trace import Region, isolated
 
 logger = logging.getLogger("poros_fx")
 
-CODEGENS = ("inductor", "eager")
 
 
 def cacheable_cond() -> Any:

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 from torch import nn
 
 from ...errors import PorosConfigError
+from ..ddp import check_ddp_optimizer
 from .key import check_state, fingerprint
 from .shapes import meta_of
 from .trace import Region, trace_region
@@ -95,8 +96,6 @@ class RegionTable:
             if values is not None:
                 self._used_by(region, layer)
                 return region, values
-        from ...distributed import check_ddp_optimizer
-
         check_ddp_optimizer()  # under it, the trace's own frames fail to compile
         with quiet_compile_events():
             region = trace_region(self.layers[layer], call, grads, [meta_of(t) for t in inputs], index=len(self.regions))

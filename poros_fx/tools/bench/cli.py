@@ -9,14 +9,15 @@ from typing import Sequence
 
 import torch
 
-from . import __doc__ as PACKAGE_DOC
 from .config import (DEFAULT_ACCUMS, DEFAULT_BLOCK_SIZES, DEFAULT_METHODS, DEFAULT_MODELS, DEFAULT_SEQS,
                      NO_CUDA_MESSAGE, make_config)
 from .methods import METHODS
 from .run import run
 
+DESCRIPTION = "The side-by-side benchmark (issue 3): PEFT baselines and poros in one process, one JSON matrix."
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m poros_fx.tools.bench", description=PACKAGE_DOC.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m poros_fx.tools.bench", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated: tiny, 0.5b, 7b, 32b, 72b")
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated: {', '.join(METHODS)}")

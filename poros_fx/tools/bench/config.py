@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 from .methods import METHODS, Method, State
+from ...errors import PorosConfigError
+from ...units import parse_size
 
 NO_CUDA_MESSAGE = "poros-fx bench needs a CUDA GPU; use --device cpu --models tiny for a smoke run"
 SIZES = ("0.5b", "7b", "32b", "72b")
@@ -86,8 +88,6 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
     if any(known_methods[m].budget for m in method_names):
         if memory_budget is None:
             raise ValueError("poros_budget needs --memory-budget (e.g. 24GB)")
-        from ...runtime.budget import parse_size
-        from ...errors import PorosConfigError
 
         try:
             parse_size(memory_budget)

@@ -10,7 +10,11 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 from torch import nn
 
-from ...options import set_trace_options
+from ...prepare import set_trace_options
+from ...families import resolve
+from ...prepare import causal_lm
+from ...prepare import get_store
+from ...runtime.accumulate import block_major
 
 COMPILED_RESIDENT_MODELS = ("tiny", "qwen2.5-0.5b", "qwen2.5-7b")  # Inductor on a 32B+ resident base: not asked for
 
@@ -61,8 +65,6 @@ def _compiled_resident(model: nn.Module, block_size: int | None) -> Runner:
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    from ...families import resolve
-    from ...prepare import causal_lm
 
     lm = causal_lm(model)
     return lm.get_submodule(resolve(lm.config.model_type).layers)
@@ -93,7 +95,6 @@ def _regional(checkpointing: bool) -> Callable[[nn.Module, int | None], Runner]:
 
 
 def _poros_teardown(model: nn.Module) -> Callable[[], None]:
-    from ...prepare import get_store
 
     def teardown() -> None:
         store = get_store(model)
@@ -107,7 +108,6 @@ def _poros_teardown(model: nn.Module) -> Callable[[], None]:
 def _poros_with(**options: Any) -> Callable[[nn.Module, int | None], Runner]:
     """A streamed poros method: the row's block size plus ``options``; with accumulation its micro-batches
     run block-major unless ``options`` say ``block_major=False``."""
-    from ...runtime.accumulate import block_major
 
     def setup(model: nn.Module, block_size: int | None) -> Runner:
         set_trace_options(model, options)  # chunked_loss: the forward Dynamo traces reads it
@@ -137,7 +137,6 @@ _poros_long = _poros_with(chunked_loss=True, offload_boundaries=True)
 def _poros_budget(model: nn.Module, block_size: int | None, memory_budget: str | None = None) -> Runner:
     """Streamed with ``options={"memory_budget": ...}``: the first step measures, then blocks that fit
     stay resident (runtime/budget.py)."""
-    from ...prepare import get_store
 
     runner = _poros_with(memory_budget=memory_budget)(model, block_size)
     clear = runner.teardown

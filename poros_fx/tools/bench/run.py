@@ -16,12 +16,21 @@ from torch import nn
 from .config import ROW_KEY, BenchConfig, RowSpec, plan
 from .methods import METHODS, Method, State
 from .report import _label, load, md_path, plot_path, save, start_run, upsert
+from ...io.loader import estimate_host_bytes
+from ...io.loader import from_config
+from ...io.sizes import block_bytes
+from ...prepare import get_store
+from ...prepare import prepare, unprepare
+from ...options import resolve_device
+from ...stats import stats
+from ..h2d import copy_seconds
+from ..profiling import profile_step
+from ..tiny import qwen25_config, tiny_config
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 def measure_pinned_h2d(device: str | torch.device = "cuda", mib: int = 512, reps: int = 5) -> float:
     """Pinned host-to-device copy bandwidth in GB/s (median of ``reps`` copies of ``mib`` MiB)."""
-    from ..h2d import copy_seconds
 
     host = torch.empty(mib * 2**20, dtype=torch.uint8, pin_memory=True)
     return host.numel() / statistics.median(copy_seconds(host, torch.device(device), reps)) / 1e9
@@ -57,7 +66,6 @@ def _free(device: torch.device) -> None:
 
 
 def build_config(model: str) -> Any:
-    from ..tiny import qwen25_config, tiny_config
 
     return tiny_config("qwen2", layers=2) if model == "tiny" else qwen25_config(model.removeprefix("qwen2.5-"))
 
@@ -68,7 +76,6 @@ class ModelHolder:
     def __init__(self, name: str, device: torch.device, seed: int) -> None:
         import peft
 
-        from ...io.loader import from_config
 
         self.name = name
         self.device = device
@@ -80,7 +87,6 @@ class ModelHolder:
         self.state: State = "prepared"
 
     def ensure(self, state: State) -> nn.Module:
-        from ...prepare import prepare, unprepare
 
         if state != self.state:
             if state == "resident":
@@ -120,8 +126,6 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
 
     ``base_bytes``: the host store's size; ``streamed_bytes``: what one pass loads (every block once:
     the embedding's table is gathered, not loaded), the floor's numerator."""
-    from ...prepare import get_store
-    from ...stats import stats
 
     device = holder.device
     row = _empty_row(spec)
@@ -204,7 +208,6 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
         if device.type == "cuda":
             row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
         if config.profile_dir is not None:  # after the peak is read: the profiler allocates too
-            from ..profiling import profile_step
 
             slug = _label(spec).replace(" ", "-").replace(".", "")
             row["profile"] = profile_step(step, Path(config.profile_dir) / f"{slug}.trace.json.gz")
@@ -254,9 +257,6 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
 
     Returns the merged document. A row's failure is recorded in its ``error`` and the run goes on.
     """
-    from ...io.loader import estimate_host_bytes
-    from ...io.sizes import block_bytes
-    from ...prepare import resolve_device
 
     started = time.perf_counter()
     device = resolve_device(config.device)

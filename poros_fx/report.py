@@ -19,22 +19,10 @@ from collections import Counter
 
 from torch import nn
 
-from ..errors import PorosConfigError
-from ..prepare import causal_lm, get_store, unwrap
-from ..runtime.budget import describe as describe_budget
-
-
-def format_bytes(n: int | float) -> str:
-    """A byte count readable at every size: ``1.50 GiB``, ``259.7 MiB``, ``12.3 KiB``, ``512 bytes`` (a tiny
-    test model's blocks are a few KiB, which ``0.0 MiB`` hid)."""
-    n = float(n)
-    if abs(n) >= 2**30:
-        return f"{n / 2**30:.2f} GiB"
-    if abs(n) >= 2**20:
-        return f"{n / 2**20:.1f} MiB"
-    if abs(n) >= 2**10:
-        return f"{n / 2**10:.1f} KiB"
-    return f"{int(n)} bytes"
+from .errors import PorosConfigError
+from .handles import causal_lm, get_store, unwrap
+from .runtime.budget import describe as describe_budget
+from .units import format_bytes
 
 
 def _adapter(model: nn.Module) -> str:

@@ -1,0 +1,208 @@
+"""Building the model: the module tree on ``meta``, which checkpoint tensor fills which parameter, the
+buffers no checkpoint holds, and the adapter attached at the end.
+
+``meta_model`` builds the tree without memory (NF4 decoder linears as ``Linear4bit`` skeletons);
+``param_groups`` lists every parameter and persistent buffer once with all its names (a tied pair has
+two); ``plan_reads`` matches them to a checkpoint's tensors and raises every mismatch before reading.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+import torch
+from torch import nn
+
+from ..errors import PorosConfigError
+from ..families import Family
+from .checkpoint import FLOAT_DTYPES, LoaderError, TensorSpec, check_adapter
+from .quantize import linear4bit_like
+
+if TYPE_CHECKING:
+    import transformers
+
+COMPUTE_DTYPE = torch.bfloat16  # dtype of every unquantized base tensor and of the NF4 compute
+
+
+# checkpoint keys older transformers versions wrote and that from_pretrained drops as well
+ALWAYS_IGNORED = (r"rotary_emb\.inv_freq$",)
+
+
+def check_quantization(quantization: Any) -> None:
+    """Refuse a quantization the loader does not make (``"nf4"``, ``"bf16"``)."""
+    if quantization not in ("nf4", "bf16"):
+        raise PorosConfigError(f"quantization must be 'nf4' or 'bf16', got {quantization!r}")
+
+
+def is_config(obj: Any) -> bool:
+    import transformers
+
+    return isinstance(obj, transformers.PretrainedConfig)
+
+
+def meta_model(config: "transformers.PretrainedConfig", quantization: str, fam: Family) -> nn.Module:
+    """The module tree with every tensor on ``meta``; NF4 decoder linears become ``Linear4bit`` skeletons."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=COMPUTE_DTYPE)
+    if quantization == "nf4":
+        # the same replacement poros_fx.io.quantize.quantize_nf4 makes, without touching any weight
+        for _, child in list(model.get_submodule(fam.layers).named_modules()):
+            for attr, lin in list(child.named_children()):
+                if type(lin) is not nn.Linear:
+                    continue
+                q = linear4bit_like(lin, compute_dtype=COMPUTE_DTYPE, nested=True)
+                if lin.bias is not None:
+                    q.bias = lin.bias  # keeps the model's bf16 (Linear4bit would make a float32 one)
+                setattr(child, attr, q)
+    return model
+
+
+def is_nf4_weight(module: nn.Module, attr: str) -> bool:
+    if attr != "weight":
+        return False
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return False
+    return isinstance(module, bnb.nn.Linear4bit)
+
+
+def split_name(name: str) -> tuple[str, str]:
+    owner, _, attr = name.rpartition(".")
+    return owner, attr
+
+
+def param_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """Every parameter and persistent buffer once, with all the names it has (a tied pair has two), in
+    module order (embedding, layers, norm, head)."""
+    groups: dict[int, tuple[list[str], torch.Tensor]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), ([], p))[0].append(name)
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        for attr, b in module._buffers.items():
+            if b is not None and attr not in module._non_persistent_buffers_set:
+                groups.setdefault(id(b), ([], b))[0].append(f"{mod_name}.{attr}" if mod_name else attr)
+    return list(groups.values())
+
+
+def plan_reads(model: nn.Module, specs: dict[str, TensorSpec], folder: Path) -> list[tuple[list[str], TensorSpec]]:
+    """Which checkpoint tensor fills which group of names; every mismatch raised before reading."""
+    plan = []
+    missing = []
+    used = set()
+    for names, meta in param_groups(model):
+        present = [n for n in names if n in specs]
+        if not present:
+            missing.append(names[0])
+            continue
+        spec = specs[present[0]]  # a tied pair saved twice: the first name (the embedding) wins, as in transformers
+        used.update(present)
+        if spec.dtype not in FLOAT_DTYPES:
+            raise LoaderError(f"{spec.file}: tensor {spec.name!r} has dtype {spec.dtype}; expected a float checkpoint "
+                              f"({', '.join(FLOAT_DTYPES)}). Pre-quantized or integer checkpoints are not loaded: "
+                              f"pass the bf16/fp16/fp32 one")
+        owner_name, attr = split_name(names[0])
+        owner = model.get_submodule(owner_name)
+        expected = nf4_logical_shape(owner) if is_nf4_weight(owner, attr) else tuple(meta.shape)
+        if spec.shape != expected:
+            raise LoaderError(f"{spec.file}: tensor {spec.name!r} has shape {list(spec.shape)}, the model built from "
+                              f"config.json expects {list(expected)} (config and weights from different models?)")
+        plan.append((names, spec))
+    if missing:
+        raise LoaderError(f"{folder}: the checkpoint has no tensor for {len(missing)} model weight(s): "
+                          f"{few(missing)} (a different architecture, or an incomplete save?)")
+    ignore = [re.compile(p) for p in (*ALWAYS_IGNORED, *(getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+                                                           or ()))]
+    unexpected = [n for n in specs if n not in used and not any(p.search(n) for p in ignore)]
+    if unexpected:
+        raise LoaderError(f"{folder}: the checkpoint has {len(unexpected)} tensor(s) the model built from config.json "
+                          f"does not: {few(unexpected)} (config and weights from different models?)")
+    return plan
+
+
+def nf4_logical_shape(module: nn.Module) -> tuple[int, int]:
+    return (module.out_features, module.in_features)
+
+
+def few(names: list[str], n: int = 5) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def numel(t: torch.Tensor) -> int:
+    return math.prod(t.shape)
+
+
+def rebuild_buffers(model: nn.Module, config: "transformers.PretrainedConfig") -> None:
+    """Non-persistent buffers (rotary ``inv_freq``) are in no checkpoint: build the module that owns them
+    again on the CPU from its config, as ``from_pretrained``'s re-initialization computes them."""
+    for mod_name, module in model.named_modules():
+        on_meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
+        if not on_meta:
+            continue
+        try:
+            with torch.device("cpu"):
+                own = getattr(module, "config", None)
+                fresh = type(module)(own if own is not None else config)
+        except (TypeError, ValueError, AttributeError) as e:
+            raise LoaderError(f"{mod_name}: buffer(s) {on_meta} are in no checkpoint and "
+                              f"{type(module).__name__}(config) cannot rebuild them ({e})") from None
+        for n in on_meta:
+            value = fresh._buffers.get(n)
+            if value is None or value.shape != module._buffers[n].shape:
+                raise LoaderError(f"{mod_name}.{n}: a fresh {type(module).__name__}(config) has no matching buffer")
+            module._buffers[n] = value.to(module._buffers[n].dtype)
+    left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if left:
+        raise LoaderError(f"tensors left unloaded: {few(left)}")
+
+
+def load_generation_config(model: nn.Module, folder: Path) -> None:
+    if not (folder / "generation_config.json").is_file() or not getattr(model, "can_generate", lambda: False)():
+        return
+    import transformers
+
+    try:
+        model.generation_config = transformers.GenerationConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as e:  # from_pretrained also goes on without it; the weights are what matter
+        warnings.warn(f"{folder / 'generation_config.json'} not used: {e}", stacklevel=3)
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Around peft's ``PeftModel(...)``: peft 0.21 reads ``model.is_gradient_checkpointing``, which
+    transformers 5 deprecated (a FutureWarning on every run that is not the user's to fix). Only that
+    warning, only inside this block; every other warning goes through."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def attach_adapter(model: nn.Module, adapter: str | os.PathLike, *, trainable: bool, source: str = "the model") -> nn.Module:
+    """``peft.PeftModel.from_pretrained(model, adapter, is_trainable=trainable)``, the adapter folder
+    checked first and peft's errors (an adapter made for another base) named with the folder."""
+    import peft
+
+    folder = check_adapter(adapter)
+    try:
+        with quiet_peft():
+            return peft.PeftModel.from_pretrained(model, folder, is_trainable=trainable)
+    except (ValueError, RuntimeError, KeyError, TypeError) as e:
+        raise LoaderError(f"{folder}: peft cannot attach this adapter to {source} ({str(e).strip().splitlines()[0]}); "
+                          f"was it trained on another base model?") from None
+
+
+def freeze_adapter(model: nn.Module) -> None:
+    """A loaded adapter made read-only, as ``PeftModel.from_pretrained(..., is_trainable=False)`` leaves it
+    (the base is frozen already)."""
+    model.requires_grad_(False)
+    for cfg in getattr(model, "peft_config", {}).values():
+        cfg.inference_mode = True
