@@ -217,10 +217,6 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
                   if p is not None and not p.requires_grad and id(p) not in adapters]
         if not frozen:
             continue
-        odd = [n for n in frozen if n not in ("weight", "bias")]
-        if odd:
-            raise PorosConfigError(f"{mod_name or type(module).__name__}: frozen parameter(s) {odd} are not named weight or "
-                                   "bias; poros-fx cannot route them through its loads yet")
         owners.append((mod_name, module, frozen))
         for n in frozen:
             readers = reader_blocks.setdefault(id(module._parameters[n]), set())
@@ -256,9 +252,10 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
             _move_param(store, f"{mod_name}.{n}" if mod_name else n, module._parameters[n],
                         tuple(sorted(reader_blocks[id(module._parameters[n])])))
         original = type(module)
-        key = (original, module is chunked_head)
+        # a module's frozen tensors may have any names (Gated DeltaNet's A_log, dt_bias): one property each
+        key = (original, module is chunked_head, tuple(sorted(set(frozen) | {"weight", "bias"})))
         if key not in classes:
-            classes[key] = _poros_class(original, module, chunked=module is chunked_head)
+            classes[key] = _poros_class(original, module, chunked=module is chunked_head, names=key[2])
         module.__class__ = classes[key]
         module._poros_device = device
         module._poros_frozen = tuple(frozen)
@@ -324,7 +321,7 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
             if block is not None:
                 block.__dict__.pop(ENTRY_ATTR, None)
             for attr in ("_poros_table", "_poros_layer", "_poros_own", "_poros_hosts", "_poros_layout", "_poros_block",
-                         "_poros_block_views", "_poros_device", "_poros_modules", "_poros_adapters"):
+                         "_poros_block_views", "_poros_device", "_poros_modules", "_poros_adapters", "_poros_writes"):
                 layer.__dict__.pop(attr, None)
 
         store.undo.append(undo)
@@ -516,7 +513,8 @@ def _describe_without_loading(self: nn.Module) -> str:
         del self.__dict__["_poros_describing"]
 
 
-def _poros_class(original: type, module: nn.Module, chunked: bool = False) -> type:
+def _poros_class(original: type, module: nn.Module, chunked: bool = False,
+                 names: tuple[str, ...] = ("bias", "weight")) -> type:
     namespace: dict[str, Any] = {"__module__": original.__module__, "_poros_original_class": original,
                                  "extra_repr": _describe_without_loading}
     if chunked:
@@ -527,7 +525,7 @@ def _poros_class(original: type, module: nn.Module, chunked: bool = False) -> ty
     else:
         if _gathers(module):
             namespace["forward"] = _embedding_forward
-        for name in ("weight", "bias"):
+        for name in names:
             namespace[name] = _load_property(name)
     return type(original.__name__, (original,), namespace)
 

@@ -16,10 +16,18 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # Phi-3 fuses q/k/v into one projection and gate/up into another
 FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
+# Qwen3.5: every linear of both layer kinds, the gated full attention's seven projections and the
+# Gated DeltaNet's five (in_proj_b / in_proj_a give the update and decay gates, one value per head)
+QWEN3_5_TARGETS = (*TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+# Gemma 4: the seven projections; the per-layer-input gate and projection are frozen base (a full
+# layer with attention_k_eq_v has no v_proj; PEFT then finds six in that layer)
+GEMMA4_TARGETS = TARGETS
+
 # LoRA on every linear of a decoder layer, per model_type
 FAMILY_TARGETS: types.MappingProxyType[str, tuple[str, ...]] = types.MappingProxyType({
     "qwen2": TARGETS, "llama": TARGETS, "mistral": TARGETS, "qwen3": TARGETS, "gemma3_text": TARGETS,
-    "phi3": FUSED_TARGETS,
+    "phi3": FUSED_TARGETS, "qwen3_5_text": QWEN3_5_TARGETS, "qwen3_5": QWEN3_5_TARGETS,
+    "gemma4_text": GEMMA4_TARGETS,
 })
 
 _CONFIGS: types.MappingProxyType[str, type] = types.MappingProxyType({
@@ -29,6 +37,8 @@ _CONFIGS: types.MappingProxyType[str, type] = types.MappingProxyType({
     "qwen3": transformers.Qwen3Config,
     "gemma3_text": transformers.Gemma3TextConfig,
     "phi3": transformers.Phi3Config,
+    "qwen3_5_text": transformers.Qwen3_5TextConfig,
+    "gemma4_text": transformers.Gemma4TextConfig,
 })
 
 
@@ -40,27 +50,49 @@ def lora_targets(model_type: str) -> list[str]:
 
 def tiny_config(family: str = "qwen2", *, layers: int = 3, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                 vocab: int = 256, attn: str = "sdpa", tie_word_embeddings: bool = False, intermediate: int | None = None,
-                attention_dropout: float = 0.0) -> transformers.PretrainedConfig:
+                attention_dropout: float = 0.0, **overrides: object) -> transformers.PretrainedConfig:
     """A small config of ``family``: ``intermediate`` (default ``2 * hidden``) and ``hidden`` need not be
-    multiples of anything; ``attention_dropout`` > 0 draws random numbers inside the attention."""
+    multiples of anything; ``attention_dropout`` > 0 draws random numbers inside the attention;
+    ``overrides`` are set on the config last (Gemma 4's options, say)."""
     if family not in _CONFIGS:
         raise ValueError(f"no tiny config for {family!r}; known: {sorted(_CONFIGS)}")
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
                   attention_dropout=attention_dropout)
-    if family in ("qwen3", "gemma3_text"):
+    if family in ("qwen3", "gemma3_text", "qwen3_5_text", "gemma4_text"):
         kwargs["head_dim"] = hidden // heads
     if family == "gemma3_text":
         # both attention kinds, and a window shorter than the test sequences so the sliding mask matters
         kwargs.update(sliding_window=8, layer_types=[("full_attention" if i % 2 else "sliding_attention")
                                                      for i in range(layers)])
+    if family == "qwen3_5_text":
+        # three Gated DeltaNet layers to one gated full-attention layer (the real models' pattern)
+        kwargs.update(linear_key_head_dim=hidden // heads, linear_value_head_dim=hidden // heads,
+                      linear_num_key_heads=kv_heads, linear_num_value_heads=heads,
+                      layer_types=[("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(layers)])
+    if family == "gemma4_text":
+        # sliding and full layers of different shapes (a full layer's head_dim doubled, fewer KV heads);
+        # per-layer inputs and KV sharing off unless overridden (gemma4_options: all of them on)
+        kwargs.update(sliding_window=8, global_head_dim=2 * hidden // heads, num_global_key_value_heads=2,
+                      vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=0,
+                      layer_types=[("full_attention" if i % 2 else "sliding_attention") for i in range(layers)])
     if family == "phi3":
         # Phi3Config's default special tokens (32000) lie outside a tiny vocabulary
         kwargs.update(pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    kwargs.update(overrides)
     config = _CONFIGS[family](**kwargs)
     config._attn_implementation = attn
     return config
+
+
+def gemma4_options(layers: int = 4, hidden: int = 64) -> dict[str, object]:
+    """Every Gemma 4 option a tiny config can switch on: per-layer embeddings (one 16-wide input per
+    layer), KV sharing (the last ``layers // 2`` layers read the keys and values earlier layers
+    stored), keys equal to values in the full layers (no v_proj) and a double-wide MLP (in the
+    KV-shared layers, where Gemma 4 puts it)."""
+    return dict(hidden_size_per_layer_input=16, num_kv_shared_layers=layers // 2, attention_k_eq_v=True,
+                use_double_wide_mlp=True)
 
 
 def qwen25_config(size: str = "0.5b") -> transformers.PretrainedConfig:
