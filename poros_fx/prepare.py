@@ -30,7 +30,7 @@ from .compiler import ops
 from .compiler.regions import CODEGENS, RegionTable, layer_forward, mode_modules
 from .compiler.regions import state as regions_state
 from .errors import NoBlocksError, PorosConfigError
-from .families import Family, resolve
+from .families import Family, layer_list, resolve
 from .runtime.arena import HostArena, aligned
 from .runtime.store import HostEntry, HostStore
 
@@ -124,7 +124,7 @@ def module_blocks(family: Family, num_layers: int, block_size: int) -> Callable[
         m = layer_re.match(module_name)
         if m:
             return 1 + int(m.group(1)) // block_size
-        if module_name == family.embed or module_name.startswith(family.embed + "."):
+        if any(module_name == e or module_name.startswith(e + ".") for e in (family.embed, *family.embed_extras)):
             return 0
         return head  # final norm, lm_head, anything after the layers
 
@@ -191,14 +191,17 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     check_no_checkpointing(model)
     lm = causal_lm(model)
     config = getattr(lm, "config", None)
-    fam = resolve(getattr(config, "model_type", None), family)
+    fam = resolve(getattr(config, "model_type", None), family, lm)
     try:
         layers = lm.get_submodule(fam.layers)
     except AttributeError:
         layers = None
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        found = layer_list(lm)
         raise NoBlocksError(f"found no decoder layers at {type(lm).__name__}.{fam.layers}; poros-fx streams a model "
-                            f"block by block and needs that list (family {fam.model_type!r} says it is there)")
+                            f"block by block and needs that list (family {fam.model_type!r} says it is there)"
+                            + (f"; this model's layer list is {found!r}: user_asserted({fam.model_type!r}, "
+                               f"layers={found!r}, ...)" if found and found != fam.layers else ""))
     _place_on_device(model, device)  # after every check above: a refused model is left where it was
 
     names = block_names(len(layers), block_size)
@@ -536,13 +539,26 @@ def _restore_class(module: nn.Module, original: type) -> None:
         module.__dict__.pop(attr, None)
 
 
+# Embedding subclasses whose forward is ``nn.Embedding.forward(ids) * self.embed_scale.to(weight.dtype)``
+# (Gemma 3's and Gemma 4's scaled word embeddings; Gemma 4's per-layer table is one too): their rows are
+# gathered and scaled the same way
+SCALED_EMBEDDINGS = frozenset({"Gemma3TextScaledWordEmbedding", "Gemma4TextScaledWordEmbedding"})
+
+
+def _scaled(module: nn.Module) -> bool:
+    original = getattr(type(module), "_poros_original_class", type(module))
+    return original.__name__ in SCALED_EMBEDDINGS and isinstance(module._buffers.get("embed_scale"), torch.Tensor)
+
+
 def gathers_rows(module: nn.Module) -> bool:
     """Whether a prepared ``module`` looks rows up in the host store instead of loading its table: a
-    plain ``nn.Embedding`` (its class keeps ``nn.Embedding.forward``) without ``max_norm`` (which would
-    rewrite the table). Subclasses with their own forward (Gemma's scaled embedding) load the table as
-    a block."""
-    return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
-            and module.max_norm is None)
+    plain ``nn.Embedding`` (its class keeps ``nn.Embedding.forward``), or a scaled one of Gemma's
+    (``SCALED_EMBEDDINGS``), without ``max_norm`` (which would rewrite the table). Other subclasses
+    with a forward of their own load the table as a block."""
+    if not isinstance(module, nn.Embedding) or module.max_norm is not None:
+        return False
+    original = getattr(type(module), "_poros_original_class", type(module))
+    return original.forward is nn.Embedding.forward or _scaled(module)
 
 
 def _gathers(module: nn.Module) -> bool:
@@ -551,8 +567,11 @@ def _gathers(module: nn.Module) -> bool:
 
 def _embedding_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """``nn.Embedding.forward`` with the rows gathered from the host store (padding_idx,
-    scale_grad_by_freq and sparse only shape the table's gradient, and the table is frozen)."""
-    return ops.gather(self._parameters["weight"], input, self._poros_device)
+    scale_grad_by_freq and sparse only shape the table's gradient, and the table is frozen); a scaled
+    embedding (``SCALED_EMBEDDINGS``) multiplies them by its scale as its own forward does."""
+    weight = self._parameters["weight"]
+    rows = ops.gather(weight, input, self._poros_device)
+    return rows * self.embed_scale.to(weight.dtype) if _scaled(self) else rows
 
 
 def _chunked_linear_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:

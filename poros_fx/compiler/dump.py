@@ -3,7 +3,8 @@
 With ``options={"dump": folder}`` or ``POROS_FX_DUMP=folder`` each compiled graph gets a folder
 ``graph_N`` holding ``00_joint.py`` (the captured joint graph), ``NN_<phase>_<pass>.py`` after every
 pass (readable Python, devices shown), ``schedule.txt`` (the schedule table), ``timeline.png``
-(blocks over the step: compute, recompute, loads, evicts; predicted memory with its peak) and, for
+(blocks over the step: compute, recompute, loads, evicts; predicted memory with its peak),
+``blocks.png`` (the block DAG, ``block_graph.py``: what crosses between blocks, held how long) and, for
 each decoder-layer region the graph calls, ``regions/rK_joint.py``, ``rK_forward.py`` and
 ``rK_backward.py`` (the one layer's joint graph and its partition, after the region passes).
 """
@@ -57,10 +58,12 @@ class Dumper:
                     text = gm.print_readable(print_output=False, include_stride=True, include_device=True)
                     (folder / f"{use.name}_{label}.py").write_text(text)
         if schedule.graphs:
-            from .timeline import render
+            from .timeline import draw_block_graph, render
 
             try:
                 render(schedule, self.folder / "timeline.png")
+                if schedule.block_graph is not None:
+                    draw_block_graph(schedule, self.folder / "blocks.png")
             except Exception as err:  # a picture must never stop a training run
                 warnings.warn(f"poros dump: timeline picture not written ({type(err).__name__}: {err})")
 

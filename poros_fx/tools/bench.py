@@ -69,9 +69,12 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 import torch
 from torch import nn
 
+from .tiny import SHAPE_CONFIGS, lora_targets
+
 NO_CUDA_MESSAGE = "poros-fx bench needs a CUDA GPU; use --device cpu --models tiny for a smoke run"
 SIZES = ("0.5b", "7b", "32b", "72b")
-MODEL_ORDER = ("tiny", *(f"qwen2.5-{s}" for s in SIZES))
+# the two real shapes of other families (tools/configs/): qwen3.5-27b, gemma-4-31b
+MODEL_ORDER = ("tiny", *(f"qwen2.5-{s}" for s in SIZES), *SHAPE_CONFIGS)
 DEFAULT_MODELS = "0.5b,7b,32b,72b"
 DEFAULT_METHODS = "peft_resident,peft_checkpointing,poros,poros_resident"
 DEFAULT_BLOCK_SIZES = "1,2,4"
@@ -284,11 +287,12 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 def model_name(name: str) -> str:
     """``7b`` / ``qwen2.5-7b`` -> ``qwen2.5-7b``; ``tiny`` stays."""
     key = name.strip().lower()
-    if key == "tiny":
+    if key == "tiny" or key in SHAPE_CONFIGS:
         return key
     key = key.removeprefix("qwen2.5-")
     if key not in SIZES:
-        raise ValueError(f"unknown model {name!r}; known: tiny, {', '.join(SIZES)} (or qwen2.5-SIZE)")
+        raise ValueError(f"unknown model {name!r}; known: tiny, {', '.join(SIZES)} (or qwen2.5-SIZE), "
+                         f"{', '.join(SHAPE_CONFIGS)}")
     return f"qwen2.5-{key}"
 
 
@@ -416,8 +420,10 @@ def _free(device: torch.device) -> None:
 
 
 def build_config(model: str) -> Any:
-    from .tiny import qwen25_config, tiny_config
+    from .tiny import qwen25_config, shape_config, tiny_config
 
+    if model in SHAPE_CONFIGS:
+        return shape_config(model)
     return tiny_config("qwen2", layers=2) if model == "tiny" else qwen25_config(model.removeprefix("qwen2.5-"))
 
 
@@ -433,7 +439,8 @@ class ModelHolder:
         self.device = device
         self.config = build_config(name)
         torch.manual_seed(seed)  # the LoRA A init
-        lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(LORA_TARGETS))
+        # every linear of a decoder layer: the seven projections (Qwen3.5 also its Gated DeltaNet's five)
+        lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=lora_targets(self.config.model_type))
         self.model = from_config(self.config, "nf4", device=device, seed=seed, lora=lora, block_size=1,
                                  progress=False)
         self.state: State = "prepared"

@@ -8,8 +8,10 @@ plain product of sizes:
   lm_head);
 * adapter: ``r x (in + out)`` fp32 values per LoRA target in every decoder layer, times four (the
   weights, their gradients, AdamW's two moments);
-* boundaries: one hidden state per decoder layer per micro-batch in flight (``batch x seq x hidden``
-  at 2 bytes; every micro-batch of the step when they run block-major);
+* boundaries: what the block DAG (``compiler/block_graph.py``, from the config: ``config_block_graph``)
+  holds at its worst point, per micro-batch in flight (every micro-batch of the step when they run
+  block-major): one hidden state per block (``batch x seq x hidden`` at 2 bytes), and for Gemma 4 the
+  per-layer inputs (embed to every layer) and the keys and values KV-shared layers read;
 * logits: ``batch x seq x vocab`` per micro-batch in flight at 2 bytes (bf16) and 4 (the fp32 values
   the loss keeps), plus one micro-batch's fp32 gradient;
 * one layer's recomputed activations: ``batch x seq x (8 x hidden + 4 x intermediate)`` at 2 bytes
@@ -24,6 +26,8 @@ import dataclasses
 from typing import Any
 
 from torch import nn
+
+from ..compiler import block_graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,15 +57,46 @@ def lora_bytes(config: Any, family: Any, targets: list[str], r: int) -> int:
     return total
 
 
-def step_memory(config: Any, window: int, *, seq: int, batch: int, in_flight: int, adapter_bytes: int) -> StepMemory:
-    """The estimate for ``in_flight`` micro-batches held at once (block-major: the accumulation)."""
+def config_block_graph(config: Any, names: list[str], tokens: int) -> Any:
+    """The block DAG of a model of ``config`` (one layer per block; ``names`` from ``io/sizes.py``) with
+    the bytes a micro-batch of ``tokens`` puts on each edge: each layer's input hidden state; Gemma 4's
+    per-layer inputs from the embed block to every layer; its stored keys and values from the last
+    layer of each kind before the KV-shared ones to every shared layer of that kind."""
+    layers = len(names) - 2
+    hidden = tokens * config.hidden_size * 2
+    # one hidden state per decoder layer, its input (the head's input counts in its logits' share)
+    found = [block_graph.Crossing(f"{names[i]} output", i, (i + 1,), hidden) for i in range(len(names) - 2)]
+    per_layer = getattr(config, "hidden_size_per_layer_input", 0) or 0
+    if per_layer:
+        found.append(block_graph.Crossing("per-layer inputs", 0, tuple(range(1, layers + 1)), tokens * layers * per_layer * 2))
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    kinds = getattr(config, "layer_types", None) or []
+    if shared and kinds and layers == len(kinds):
+        first = layers - shared
+        for kind in sorted(set(kinds[first:])):
+            store = max(i for i in range(first) if kinds[i] == kind)
+            readers = tuple(1 + i for i in range(first, layers) if kinds[i] == kind)
+            per = getattr(config, "per_layer_config", {}).get(store) if hasattr(config, "per_layer_config") else None
+            head_dim = getattr(per, "head_dim", None) or config.head_dim
+            kv_heads = getattr(per, "num_key_value_heads", None) or config.num_key_value_heads
+            found.append(block_graph.Crossing(f"{kind} keys and values", 1 + store, readers,
+                                              2 * tokens * kv_heads * head_dim * 2))
+    return block_graph.build(names, found)
+
+
+def step_memory(config: Any, window: int, *, seq: int, batch: int, in_flight: int, adapter_bytes: int,
+                names: list[str] | None = None) -> StepMemory:
+    """The estimate for ``in_flight`` micro-batches held at once (block-major: the accumulation);
+    ``names``: the blocks (one layer each), for the block DAG's boundary bytes."""
     hidden, vocab = config.hidden_size, config.vocab_size
     intermediate = getattr(config, "intermediate_size", 4 * hidden)
     tokens = batch * seq
+    names = names or ["embed"] + [f"layers.{i}" for i in range(config.num_hidden_layers)] + ["head"]
+    boundaries = block_graph.peak_live_bytes(config_block_graph(config, names, tokens))
     return StepMemory(
         base_window=window,
         adapter=4 * adapter_bytes,
-        boundaries=in_flight * config.num_hidden_layers * tokens * hidden * 2,
+        boundaries=in_flight * boundaries,
         logits=in_flight * tokens * vocab * (2 + 4) + tokens * vocab * 4,
         layer=tokens * (8 * hidden + 4 * intermediate) * 2,
     )

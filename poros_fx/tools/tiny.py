@@ -7,6 +7,7 @@ the demo (``python -m poros_fx``), the parity example and the tests.
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import torch
 import transformers
@@ -67,10 +68,12 @@ def tiny_config(family: str = "qwen2", *, layers: int = 3, hidden: int = 64, hea
         kwargs.update(sliding_window=8, layer_types=[("full_attention" if i % 2 else "sliding_attention")
                                                      for i in range(layers)])
     if family == "qwen3_5_text":
-        # three Gated DeltaNet layers to one gated full-attention layer (the real models' pattern)
+        # three Gated DeltaNet layers to one gated full-attention layer (the real models' pattern), the
+        # last layer full as in the real models (two layers: one of each)
         kwargs.update(linear_key_head_dim=hidden // heads, linear_value_head_dim=hidden // heads,
                       linear_num_key_heads=kv_heads, linear_num_value_heads=heads,
-                      layer_types=[("full_attention" if (i + 1) % 4 == 0 else "linear_attention") for i in range(layers)])
+                      layer_types=[("full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention")
+                                   for i in range(layers)])
     if family == "gemma4_text":
         # sliding and full layers of different shapes (a full layer's head_dim doubled, fewer KV heads);
         # per-layer inputs and KV sharing off unless overridden (gemma4_options: all of them on)
@@ -86,13 +89,16 @@ def tiny_config(family: str = "qwen2", *, layers: int = 3, hidden: int = 64, hea
     return config
 
 
-def gemma4_options(layers: int = 4, hidden: int = 64) -> dict[str, object]:
+def gemma4_options(layers: int = 4, moe: bool = True) -> dict[str, object]:
     """Every Gemma 4 option a tiny config can switch on: per-layer embeddings (one 16-wide input per
     layer), KV sharing (the last ``layers // 2`` layers read the keys and values earlier layers
-    stored), keys equal to values in the full layers (no v_proj) and a double-wide MLP (in the
-    KV-shared layers, where Gemma 4 puts it)."""
-    return dict(hidden_size_per_layer_input=16, num_kv_shared_layers=layers // 2, attention_k_eq_v=True,
-                use_double_wide_mlp=True)
+    stored), keys equal to values in the full layers (no v_proj), a double-wide MLP (in the KV-shared
+    layers, where Gemma 4 puts it) and (``moe``) the mixture-of-experts block beside each MLP."""
+    options: dict[str, object] = dict(hidden_size_per_layer_input=16, num_kv_shared_layers=layers // 2,
+                                      attention_k_eq_v=True, use_double_wide_mlp=True)
+    if moe:
+        options.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    return options
 
 
 def qwen25_config(size: str = "0.5b") -> transformers.PretrainedConfig:
@@ -109,6 +115,19 @@ def qwen25_config(size: str = "0.5b") -> transformers.PretrainedConfig:
     config = transformers.Qwen2Config(vocab_size=151936, hidden_size=hidden, intermediate_size=inter,
                                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                                       max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=tied)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+# real shapes written from the published sizes (tools/configs/README.md says where each number comes from)
+SHAPE_CONFIGS = ("qwen3.5-27b", "gemma-4-31b")
+
+
+def shape_config(name: str) -> transformers.PretrainedConfig:
+    """A real model's shape (random-init; no hub needed): ``qwen3.5-27b`` or ``gemma-4-31b``."""
+    if name not in SHAPE_CONFIGS:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPE_CONFIGS)}")
+    config = transformers.AutoConfig.from_pretrained(Path(__file__).parent / "configs" / name)
     config._attn_implementation = "sdpa"
     return config
 

@@ -236,7 +236,19 @@ def trace_region(layer: nn.Module, call: str, grads: str, metas: list[TensorMeta
         logger.warning("poros: decoder layer %d of this structure cannot be traced for every sequence length (%s); "
                        "it is traced at its sizes, and every new size traces and compiles it again",
                        layer._poros_layer, e)
+    try:
         return _trace(layer, call, grads, metas, index, symbolic=False)
+    except PorosConfigError:
+        raise
+    except Exception as e:  # one clear error (Dynamo wraps it; its last line is ours)
+        name = type(layer)._poros_layer_class.__name__
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise PorosConfigError(
+            f"decoder layer {layer._poros_layer} ({name}) does not fit a poros region: tracing its forward and "
+            f"backward failed with {reason}. A region takes a layer that returns its hidden states as one tensor, "
+            "passes tensors, tuples of tensors, plain values or a mapping of tuples of tensors, and attends "
+            "through transformers' attention interface. prepare(..., regions=False) traces such layers into the "
+            "step's graph instead (streamed, no region reuse); a validated family needs neither") from e
 
 
 class SymbolicTraceError(Exception):
