@@ -10,6 +10,7 @@ import torch
 
 import poros_fx
 from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
+from poros_fx.compiler import block_graph
 from poros_fx.prepare import get_store
 from poros_fx.tools.tiny import demo_batches, gemma4_options, lora_targets, tiny_config, tiny_lora_model
 
@@ -111,8 +112,14 @@ def test_new_family_streamed_equals_resident_and_eager(family):
     regions = store.regions.regions
     assert len(regions) == NEW_REGIONS[family]
     assert sorted(i for r in regions for i in r.layers) == list(range(4))  # every layer a region
+    schedule = store.schedules[0]
+    graph = schedule.block_graph  # the block DAG: loads in its topological order, crossings saved
+    assert block_graph.load_order(graph) == list(range(len(schedule.blocks)))
     if family == "gemma4_text":  # layers 0 and 1 hand their keys and values on as region outputs
         assert {r.writes for r in regions} == {(), (("sliding_attention", 2),), (("full_attention", 2),)}
+        # ... which reach the KV-shared layers 2 and 3 (blocks 3, 4) as saved block outputs: DAG edges
+        assert {(1, 3), (2, 4)} <= set(block_graph.extra_edges(graph))
+        assert "held from layers.0's forward" in schedule.table()
     adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad}
     assert adapted == set(lora_targets(family))
 

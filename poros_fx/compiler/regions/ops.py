@@ -114,34 +114,21 @@ def _backward(ctx: Any, grad_outputs: list[torch.Tensor | None]) -> tuple:
     metas = region.output_meta(ctx.values)
     tangents = []
     for i, g in enumerate(grad_outputs[:region.num_outputs]):
-        # its backward was traced with tangents laid out as the outputs are (contiguous hidden states;
-        # a key written for later layers is a transposed view)
+        # its backward was traced with tangents laid out as the outputs are: contiguous (the hidden
+        # states), or as traced (a key written for later layers is a transposed view); decided from the
+        # region's expressions, so no size of the call is compared (no guard on a symbolic length)
         shape, stride, dtype, device = metas[i]
+        if region.contiguous_outputs[i]:
+            tangents.append(g.contiguous() if g is not None else torch.zeros(shape, dtype=dtype, device=device))
+            continue
         out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-        if g is None:
-            out.zero_()
-        elif tuple(g.stride()) == tuple(stride) or not _dense(stride, shape):
-            out = g.contiguous() if not _dense(stride, shape) else g
-        else:
-            out.copy_(g)
-        tangents.append(out)
+        tangents.append(out.zero_() if g is None else out.copy_(g))
     grads = REGION_BACKWARD([*ctx.saved_tensors, *tangents], table, index)
     out: list[torch.Tensor | None] = [None] * ctx.num_inputs
     for i, g in zip(region.grad_inputs, grads):
         if ctx.wanted[i]:  # not the first layer's input gradient, computed only to share the region
             out[i] = g
     return out, None, None, None, None
-
-
-def _dense(stride: Any, shape: Any) -> bool:
-    """Whether sizes and strides lay a tensor out densely, in some order (an output's layout)."""
-    dims = sorted((st, sz) for st, sz in zip(stride, shape) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
 
 
 region_op.register_autograd(_backward, setup_context=_setup_context)

@@ -139,6 +139,8 @@ class Region:
         symbols = self.signature.symbols
         self._outputs = _meta_expressions(symbols, self.output_specs)
         self._gradients = _meta_expressions(self.backward_symbols, self.grad_specs)
+        # per output: laid out contiguously (its tangent is then made contiguous, as the trace's was)
+        self.contiguous_outputs = tuple(_contiguous(spec) for spec in self.output_specs[:self.num_outputs])
 
     @property
     def name(self) -> str:
@@ -174,6 +176,16 @@ class Region:
             else:
                 out.append(sizes[i])
         return out
+
+
+def _contiguous(spec: TensorSpec) -> bool:
+    """Whether ``spec``'s strides are the contiguous strides of its sizes (as expressions: for every size)."""
+    expected = sympy.Integer(1)
+    for size, stride in reversed(list(zip(spec.sizes, spec.strides))):
+        if sympy.simplify(size - 1) != 0 and sympy.simplify(stride - expected) != 0:
+            return False
+        expected = expected * size
+    return True
 
 
 class _MetaExpressions:
