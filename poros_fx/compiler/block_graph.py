@@ -48,6 +48,7 @@ class Crossing:
 
 def build(names: Sequence[str], crossings: Iterable[Crossing], nbytes: Sequence[int] | None = None) -> nx.DiGraph:
     """The DAG of blocks ``names`` (index order is run order) with ``crossings`` on its edges."""
+    crossings = list(crossings)
     graph = nx.DiGraph()
     for i, name in enumerate(names):
         graph.add_node(i, name=name, nbytes=nbytes[i] if nbytes is not None else 0)
@@ -59,14 +60,8 @@ def build(names: Sequence[str], crossings: Iterable[Crossing], nbytes: Sequence[
             if not graph.has_edge(c.producer, consumer):
                 graph.add_edge(c.producer, consumer, values=[])
             graph.edges[c.producer, consumer]["values"].append(c)
-    graph.graph["crossings"] = list(crossings) if not isinstance(crossings, list) else crossings
+    graph.graph["crossings"] = crossings
     return graph
-
-
-def chain(names: Sequence[str], boundary_bytes: int, nbytes: Sequence[int] | None = None) -> nx.DiGraph:
-    """A plain decoder's DAG: one hidden state of ``boundary_bytes`` from each block to the next."""
-    return build(names, [Crossing(f"{names[i]} output", i, (i + 1,), boundary_bytes) for i in range(len(names) - 1)],
-                 nbytes)
 
 
 def crossings(graph: nx.DiGraph) -> list[Crossing]:
