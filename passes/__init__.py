@@ -5,7 +5,9 @@ joint forward+backward graph, partitions it (min-cut with the recompute tags whe
 default partition otherwise), then runs ``GRAPH_PASSES`` on the forward and on the backward graph.
 An inference graph (no grad: AOTAutograd compiles a forward only, with no joint graph) first goes
 through ``INFERENCE_PASSES``. ``lower_regions`` runs ``REGION_PASSES`` once on each region's own
-forward and backward graphs (a decoder layer, ``poros_fx/compiler/regions.py``) before compiling it.
+forward and backward graphs (a decoder layer, ``poros_fx/compiler/regions.py``) before compiling it
+(the 4-bit matmul lowering; with the eager codegen, views that real kernels' strides may refuse become
+reshapes).
 After every pass the dump hook (``poros_fx.compiler.dump``) writes the graph when dumping is on.
 """
 
@@ -18,13 +20,14 @@ from .lower_rng import lower_rng
 from .offload import offload
 from .prefetch import prefetch
 from .recompute import recompute
+from .reshape_views import reshape_views
 from .residency import residency
 from .rng import rng
 
 JOINT_PASSES = (block_partition, recompute)
 INFERENCE_PASSES = (block_partition,)
 GRAPH_PASSES = (lower_matmul_4bit, rng, lower_rng, lower_regions, prefetch, residency, offload)
-REGION_PASSES = (lower_matmul_4bit,)
+REGION_PASSES = (lower_matmul_4bit, reshape_views)
 
 __all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "REGION_PASSES", "block_partition", "lower_matmul_4bit",
-           "lower_regions", "lower_rng", "offload", "prefetch", "recompute", "residency", "rng"]
+           "lower_regions", "lower_rng", "offload", "prefetch", "recompute", "reshape_views", "residency", "rng"]

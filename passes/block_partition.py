@@ -16,7 +16,10 @@ Before (joint graph, two layers, block_size=1)::
     mm_14 = aten.mm(view_20, t_14)                                    # lm_head
 
 After: the same nodes, with ``meta["poros_block"]`` = 0 (embed), 1 (layers.0), 2 (layers.1), 3 (head),
-and ``schedule.blocks`` listing the four blocks with the base bytes each one loads.
+``schedule.blocks`` listing the four blocks with the base bytes each one loads, and
+``schedule.block_graph`` the DAG of the blocks and the forward values that cross between them
+(``compiler/block_graph.py``: embed -> layers.0 -> layers.1 -> head for the hidden states, embed ->
+each layer for the rotary tables).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import re
 
 import torch.fx as fx
 
+from poros_fx.compiler import block_graph
 from poros_fx.compiler.ops import LOAD
 from poros_fx.compiler.schedule import Block, Schedule
 
@@ -76,6 +80,7 @@ def block_partition(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
             n.meta[BLOCK] = 0
             n.meta[FORWARD] = n in fwd
             schedule.blocks[0].forward_nodes += n in fwd
+        schedule.block_graph = block_graph.build(["no-layers"], [])
         return gm
     num_layer_blocks = max(layers) // schedule.block_size + 1
     head = num_layer_blocks + 1
@@ -113,6 +118,8 @@ def block_partition(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
             block = schedule.blocks[n.meta[BLOCK]]
             block.weights.append(name)
             block.nbytes += nbytes
+    # the blocks and the forward values crossing between them: a chain, or a DAG where state skips blocks
+    schedule.block_graph = block_graph.from_joint(gm, names, [b.nbytes for b in schedule.blocks], BLOCK, FORWARD)
     return gm
 
 

@@ -1,7 +1,8 @@
 """Prefetch: issue each block's loads ``prefetch`` blocks ahead of the block that reads them.
 
-Blocks are taken in the order the graph runs them (embed, layers, head in the forward; head, then
-layers in reverse in the backward, where each block's loads feed its recompute). The loads of the
+Blocks are taken in the block DAG's load order (``compiler/block_graph.py``: a topological order, which
+for a decoder is embed, layers, head) in the forward and in reverse in the backward (head, then layers
+in reverse, where each block's loads feed its recompute). The loads of the
 i-th block in that order move to just before the first op of block ``i - prefetch`` (of block ``i``
 itself with ``prefetch=0``), so at most ``1 + prefetch`` blocks of base weights are resident. A
 chunked head (``prepare``'s ``head_chunks``) reads its weight as row slices, one load each: every
@@ -29,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from poros_fx.compiler.block_graph import load_order
 from poros_fx.compiler.ops import LOAD
 from poros_fx.compiler.schedule import Load, Schedule
 
@@ -66,10 +68,16 @@ def prefetch(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
         group = group_of[ld]
         if group not in first_op or position[reader] < position[first_op[group]]:
             first_op[group] = reader
-    order = sorted(set(group_of.values()), key=lambda g: position[first_op[g]])
+    # the block DAG's load order (topological: a block after every block it reads from), reversed in the
+    # backward; a head's row chunks in the order they run
+    rank = {b: i for i, b in enumerate(load_order(schedule.block_graph))} if schedule.block_graph is not None else {}
+    sign = -1 if phase == "backward" else 1
+    order = sorted(set(group_of.values()), key=lambda g: (sign * rank.get(g[0], g[0]), position[first_op[g]]))
     for i, group in enumerate(order):
         anchor_group = order[max(0, i - schedule.prefetch)]
         anchor = first_op[anchor_group]
+        if position[anchor] > position[first_op[group]]:  # never after the group's own first reader
+            anchor_group, anchor = group, first_op[group]
         for ld in (n for n in loads if group_of[n] == group):
             _move_before(ld, anchor, position)
             ld.meta[GROUP] = i

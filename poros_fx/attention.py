@@ -56,6 +56,21 @@ def use(config: Any) -> Callable[[], None] | None:
     return undo
 
 
+class MaskPair(tuple):
+    """``(mask, no_mask_needed)``, as ``mask`` returns it under compile. Gemma 4 indexes its masks before
+    its KV-shared layers (``mask[:, :, slice(-logits_to_keep, None), :]``, every query row in training:
+    ``logits_to_keep=0``); such an index reaches the mask itself. An index that drops query rows would
+    change eager's kernel decision: refused."""
+
+    def __getitem__(self, key: Any) -> Any:
+        if not isinstance(key, tuple):
+            return tuple.__getitem__(self, key)
+        if any(not isinstance(k, slice) or k != slice(None) and k != slice(0, None) for k in key):
+            raise NotImplementedError("poros_sdpa: a mask indexed to fewer query rows (logits_to_keep > 0 before "
+                                      "KV-shared layers) is not supported while training")
+        return MaskPair((tuple.__getitem__(self, 0)[key], tuple.__getitem__(self, 1)))
+
+
 def _static_skip(q_length: int, kv_length: int, q_offset: Any, local_size: int | None) -> tuple[bool, bool]:
     """The parts of transformers' ``_ignore_causal_mask_sdpa`` that depend on sizes only: whether the
     mask may be skipped when the padding mask is all ones (first), and when its first ``q_length``
@@ -87,7 +102,7 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_o
             # skip. Eager skips when each row holds one sequence, i.e. when the mask is plain causal.
             full = sdpa_mask(allow_is_causal_skip=False, **args)
             causal = torch.ones(q_length, kv_length, dtype=torch.bool, device=full.device).tril()
-            return full, (full == causal).all().cpu()
+            return MaskPair((full, (full == causal).all().cpu()))
         return sdpa_mask(allow_is_causal_skip=False, **args)  # eager materializes it too
     if padding is None:
         if all_ones_ok or prefix_ok:
@@ -103,7 +118,7 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_o
     if prefix_ok:
         skip = skip | (fast_all(padding[:, :q_length]) & fast_all(~padding[:, q_length:]))
     # one copy to the host per forward: every layer's branch then reads a CPU scalar, no device sync
-    return sdpa_mask(allow_is_causal_skip=False, **args), skip.cpu()
+    return MaskPair((sdpa_mask(allow_is_causal_skip=False, **args), skip.cpu()))
 
 
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

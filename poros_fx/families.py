@@ -12,6 +12,8 @@ import dataclasses
 import types
 from typing import Literal
 
+from torch import nn
+
 from .errors import PorosConfigError, UnsupportedArchitectureError
 
 Status = Literal["validated", "user_asserted"]
@@ -28,6 +30,9 @@ class Family:
     lm_head: str = "lm_head"
     status: Status = "validated"
     test: str = ""  # the CI test that validates it
+    # modules besides ``embed`` that run before the first layer (Gemma 4's per-layer embedding table,
+    # its projection and norm): part of the embed block
+    embed_extras: tuple[str, ...] = ()
 
     @property
     def layer_attr(self) -> str:
@@ -35,8 +40,12 @@ class Family:
         return self.layers.rsplit(".", 1)[-1]
 
 
-def _validated(model_type: str, test: str = "tests/test_parity.py") -> Family:
-    return Family(model_type=model_type, test=test)
+def _validated(model_type: str, test: str = "tests/test_parity.py", **paths: object) -> Family:
+    return Family(model_type=model_type, test=test, **paths)  # type: ignore[arg-type]
+
+
+GEMMA4_EMBED_EXTRAS = ("model.embed_tokens_per_layer", "model.per_layer_model_projection",
+                       "model.per_layer_projection_norm")
 
 
 VALIDATED: types.MappingProxyType[str, Family] = types.MappingProxyType({f.model_type: f for f in (
@@ -45,20 +54,42 @@ VALIDATED: types.MappingProxyType[str, Family] = types.MappingProxyType({f.model
     _validated("gemma3_text", "tests/test_families.py"),
     # Phi-3 (fused qkv_proj / gate_up_proj; LoRA targets those)
     _validated("phi3", "tests/test_families.py"),
+    # Qwen3.5 / Qwen3.6 dense: three Gated DeltaNet layers to one gated full-attention layer (two region
+    # structures); "qwen3_5" is the multimodal checkpoints' type, whose text model AutoModelForCausalLM
+    # builds (Qwen3_5ForCausalLM, the same layers)
+    _validated("qwen3_5_text", "tests/test_families.py"),
+    _validated("qwen3_5", "tests/test_families.py"),
+    # Gemma 4 text: sliding and full layers of different shapes, per-layer embeddings and KV sharing
+    # (keys and values cross layers as region outputs), keys equal to values, double-wide MLP
+    _validated("gemma4_text", "tests/test_families.py", embed_extras=GEMMA4_EMBED_EXTRAS),
 )})
 
 
 def user_asserted(model_type: str, *, layers: str = "model.layers", embed: str = "model.embed_tokens",
-                  norm: str = "model.norm", lm_head: str = "lm_head") -> Family:
+                  norm: str = "model.norm", lm_head: str = "lm_head", embed_extras: tuple[str, ...] = ()) -> Family:
     """A family the user vouches for. ``prepare(model, family=user_asserted("mytype"))`` streams it,
     and ``prepare``'s report labels the guarantee ``user_asserted`` (no parity test has run here)."""
     return Family(model_type=model_type, layers=layers, embed=embed, norm=norm, lm_head=lm_head,
-                  status="user_asserted")
+                  status="user_asserted", embed_extras=tuple(embed_extras))
 
 
-def resolve(model_type: str | None, family: Family | str | None = None) -> Family:
+def layer_list(model: nn.Module | None) -> str | None:
+    """The attribute path of ``model``'s decoder-layer list as ``user_asserted(layers=...)`` wants it:
+    the longest ``nn.ModuleList`` whose modules share one class (GPT-2's ``transformer.h``), or ``None``."""
+    if model is None:
+        return None
+    best: tuple[int, str] | None = None
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and len({type(m) for m in module}) == 1:
+            if best is None or len(module) > best[0]:
+                best = (len(module), name)
+    return best[1] if best else None
+
+
+def resolve(model_type: str | None, family: Family | str | None = None, model: nn.Module | None = None) -> Family:
     """The family for ``model_type``: the user's if given (a ``Family``, or the name of a validated
-    one such as ``"qwen2"``), else the validated one, else raise."""
+    one such as ``"qwen2"``), else the validated one, else raise (``model``: the causal LM, whose real
+    layer list the error then names)."""
     if isinstance(family, str):
         if family not in VALIDATED:
             raise PorosConfigError(f"family={family!r} is not a registered family name; pass one of "
@@ -77,7 +108,12 @@ def resolve(model_type: str | None, family: Family | str | None = None) -> Famil
     if model_type in VALIDATED:
         return VALIDATED[model_type]
     names = ", ".join(sorted(VALIDATED))
+    found = layer_list(model)
+    where = (f"Its decoder layers are the list {found!r}; you can stream it at your own risk with "
+             f"poros_fx.prepare(model, family=poros_fx.user_asserted({model_type!r}, layers={found!r}, embed=..., "
+             "norm=...)) (the paths of its token embedding and final norm; parity is then yours to check)."
+             if found else
+             f"If its decoder layers live in a list (such as model.layers), you can stream it at your own risk with "
+             f"poros_fx.prepare(model, family=poros_fx.user_asserted({model_type!r}, layers='<path of that list>')).")
     raise UnsupportedArchitectureError(
-        f"model type {model_type!r} is not a validated poros-fx family (validated: {names}). "
-        f"If its decoder layers live in a list like model.layers, you can stream it at your own risk with "
-        f"poros_fx.prepare(model, family=poros_fx.user_asserted({model_type!r}, layers='model.layers')).")
+        f"model type {model_type!r} is not a validated poros-fx family (validated: {names}). {where}")

@@ -65,7 +65,10 @@ def _describe_without_loading(self: nn.Module) -> str:
         del self.__dict__["_poros_describing"]
 
 
-def poros_class(original: type, module: nn.Module, chunked: bool = False) -> type:
+def poros_class(original: type, module: nn.Module, chunked: bool = False,
+                names: tuple[str, ...] = ("bias", "weight")) -> type:
+    """The subclass of ``original`` a prepared ``module`` gets: a loading property for each frozen tensor
+    name in ``names`` (any name: Gated DeltaNet's ``A_log``, ``dt_bias``), and the forward that loads."""
     namespace: dict[str, Any] = {"__module__": original.__module__, "_poros_original_class": original,
                                  "extra_repr": _describe_without_loading}
     if chunked:
@@ -76,7 +79,7 @@ def poros_class(original: type, module: nn.Module, chunked: bool = False) -> typ
     else:
         if gathers_here(module):
             namespace["forward"] = _embedding_forward
-        for name in ("weight", "bias"):
+        for name in names:
             namespace[name] = _load_property(name)
     return type(original.__name__, (original,), namespace)
 
@@ -87,13 +90,26 @@ def restore_class(module: nn.Module, original: type) -> None:
         module.__dict__.pop(attr, None)
 
 
+# Embedding subclasses whose forward is ``nn.Embedding.forward(ids) * self.embed_scale.to(weight.dtype)``
+# (Gemma 3's and Gemma 4's scaled word embeddings; Gemma 4's per-layer table is one too): their rows are
+# gathered and scaled the same way
+SCALED_EMBEDDINGS = frozenset({"Gemma3TextScaledWordEmbedding", "Gemma4TextScaledWordEmbedding"})
+
+
+def _scaled(module: nn.Module) -> bool:
+    original = getattr(type(module), "_poros_original_class", type(module))
+    return original.__name__ in SCALED_EMBEDDINGS and isinstance(module._buffers.get("embed_scale"), torch.Tensor)
+
+
 def gathers_rows(module: nn.Module) -> bool:
     """Whether a prepared ``module`` looks rows up in the host store instead of loading its table: a
-    plain ``nn.Embedding`` (its class keeps ``nn.Embedding.forward``) without ``max_norm`` (which would
-    rewrite the table). Subclasses with their own forward (Gemma's scaled embedding) load the table as
-    a block."""
-    return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
-            and module.max_norm is None)
+    plain ``nn.Embedding`` (its class keeps ``nn.Embedding.forward``), or a scaled one of Gemma's
+    (``SCALED_EMBEDDINGS``), without ``max_norm`` (which would rewrite the table). Other subclasses
+    with a forward of their own load the table as a block."""
+    if not isinstance(module, nn.Embedding) or module.max_norm is not None:
+        return False
+    original = getattr(type(module), "_poros_original_class", type(module))
+    return original.forward is nn.Embedding.forward or _scaled(module)
 
 
 def gathers_here(module: nn.Module) -> bool:
@@ -102,8 +118,11 @@ def gathers_here(module: nn.Module) -> bool:
 
 def _embedding_forward(self: nn.Module, input: torch.Tensor) -> torch.Tensor:
     """``nn.Embedding.forward`` with the rows gathered from the host store (padding_idx,
-    scale_grad_by_freq and sparse only shape the table's gradient, and the table is frozen)."""
-    return ops.gather(self._parameters["weight"], input, self._poros_device)
+    scale_grad_by_freq and sparse only shape the table's gradient, and the table is frozen); a scaled
+    embedding (``SCALED_EMBEDDINGS``) multiplies them by its scale as its own forward does."""
+    weight = self._parameters["weight"]
+    rows = ops.gather(weight, input, self._poros_device)
+    return rows * self.embed_scale.to(weight.dtype) if _scaled(self) else rows
 
 
 def head_rows(head: nn.Module) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor | None]]:

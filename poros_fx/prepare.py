@@ -30,7 +30,7 @@ from .compiler import ops
 from .compiler.regions import RegionTable, layer_forward, mode_modules
 from .compiler.regions import state as regions_state
 from .errors import NoBlocksError, PorosConfigError
-from .families import Family, resolve
+from .families import Family, layer_list, resolve
 from .handles import ENTRY_ATTR, STORE_ATTR, causal_lm, check_no_checkpointing, get_store, unwrap
 from .host_modules import (QS_BUFFERS, gathers_here, head_rows, is_linear4bit, poros_class, quant_state_tensors, restore_class,
                            set_quant_state)
@@ -60,7 +60,7 @@ def module_blocks(family: Family, num_layers: int, block_size: int) -> Callable[
         m = layer_re.match(module_name)
         if m:
             return 1 + int(m.group(1)) // block_size
-        if module_name == family.embed or module_name.startswith(family.embed + "."):
+        if any(module_name == e or module_name.startswith(e + ".") for e in (family.embed, *family.embed_extras)):
             return 0
         return head  # final norm, lm_head, anything after the layers
 
@@ -132,14 +132,17 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     check_no_checkpointing(model)
     lm = causal_lm(model)
     config = getattr(lm, "config", None)
-    fam = resolve(getattr(config, "model_type", None), family)
+    fam = resolve(getattr(config, "model_type", None), family, lm)
     try:
         layers = lm.get_submodule(fam.layers)
     except AttributeError:
         layers = None
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+        found = layer_list(lm)
         raise NoBlocksError(f"found no decoder layers at {type(lm).__name__}.{fam.layers}; poros-fx streams a model "
-                            f"block by block and needs that list (family {fam.model_type!r} says it is there)")
+                            f"block by block and needs that list (family {fam.model_type!r} says it is there)"
+                            + (f"; this model's layer list is {found!r}: user_asserted({fam.model_type!r}, "
+                               f"layers={found!r}, ...)" if found and found != fam.layers else ""))
     _place_on_device(model, device)  # after every check above: a refused model is left where it was
 
     names = block_names(len(layers), block_size)
@@ -159,10 +162,6 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
                   if p is not None and not p.requires_grad and id(p) not in adapters]
         if not frozen:
             continue
-        odd = [n for n in frozen if n not in ("weight", "bias")]
-        if odd:
-            raise PorosConfigError(f"{mod_name or type(module).__name__}: frozen parameter(s) {odd} are not named weight or "
-                                   "bias; poros-fx cannot route them through its loads yet")
         owners.append((mod_name, module, frozen))
         for n in frozen:
             readers = reader_blocks.setdefault(id(module._parameters[n]), set())
@@ -205,9 +204,10 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
             _move_param(store, f"{mod_name}.{n}" if mod_name else n, module._parameters[n],
                         tuple(sorted(reader_blocks[id(module._parameters[n])])))
         original = type(module)
-        key = (original, module is chunked_head)
+        # a module's frozen tensors may have any names (Gated DeltaNet's A_log, dt_bias): one property each
+        key = (original, module is chunked_head, tuple(sorted(set(frozen) | {"weight", "bias"})))
         if key not in classes:
-            classes[key] = poros_class(original, module, chunked=module is chunked_head)
+            classes[key] = poros_class(original, module, chunked=module is chunked_head, names=key[2])
         module.__class__ = classes[key]
         module._poros_device = device
         module._poros_frozen = tuple(frozen)
@@ -258,7 +258,7 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
             if block is not None:
                 block.__dict__.pop(ENTRY_ATTR, None)
             for attr in ("_poros_table", "_poros_layer", "_poros_own", "_poros_hosts", "_poros_layout", "_poros_block",
-                         "_poros_block_views", "_poros_device", "_poros_modules", "_poros_adapters"):
+                         "_poros_block_views", "_poros_device", "_poros_modules", "_poros_adapters", "_poros_writes"):
                 layer.__dict__.pop(attr, None)
 
         store.undo.append(undo)

@@ -25,7 +25,8 @@ import torch
 
 import poros_fx
 from poros_fx.prepare import get_store
-from poros_fx.tools.bench import LORA_TARGETS, environment
+from poros_fx.tools.bench import environment
+from poros_fx.tools.tiny import lora_targets
 from poros_fx.tools.tiny import qwen25_config
 
 
@@ -67,7 +68,7 @@ def batch_of(length: int, vocab: int, seed: int) -> dict:
 def run(args: argparse.Namespace, mark: bool) -> dict:
     torch._dynamo.reset()
     config = qwen25_config(args.size)
-    lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(LORA_TARGETS))
+    lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=lora_targets("qwen2"))
     model = poros_fx.from_config(config, "nf4", device="cuda", seed=0, lora=lora, codegen=args.codegen, progress=False)
     step_model = torch.compile(model, backend="poros")
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)

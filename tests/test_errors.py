@@ -46,16 +46,35 @@ def test_unvalidated_architecture_names_validated_families():
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(poros_fx.UnsupportedArchitectureError) as err:
         poros_fx.prepare(model)
-    for family in ("qwen2", "llama", "mistral", "qwen3"):
+    for family in ("qwen2", "llama", "mistral", "qwen3", "qwen3_5_text", "gemma4_text"):
         assert family in str(err.value)
     assert "user_asserted" in str(err.value)
+    assert "layers='transformer.h'" in str(err.value)  # GPT-2's own layer list, not model.layers
 
 
 def test_user_asserted_family_without_blocks():
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(poros_fx.NoBlocksError, match="found no decoder layers"):
+    with pytest.raises(poros_fx.NoBlocksError, match="found no decoder layers") as err:
         poros_fx.prepare(model, family=poros_fx.user_asserted("gpt2", layers="model.layers"))
+    assert "this model's layer list is 'transformer.h'" in str(err.value)
+
+
+def test_user_asserted_layer_that_does_not_fit_a_region():
+    """GPT-2 with attention dropout: its layer cannot be traced as a region (the attention's branches
+    alias); one PorosConfigError says so, and what to do, instead of Dynamo's traceback alone."""
+    import peft
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)  # attn_pdrop 0.1
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
+                                peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    family = poros_fx.user_asserted("gpt2", layers="transformer.h", embed="transformer.wte", norm="transformer.ln_f")
+    poros_fx.prepare(model, device="cpu", family=family)
+    ids = torch.randint(0, 64, (1, 16))
+    with pytest.raises(Exception) as err:
+        torch.compile(model, backend="poros")(input_ids=ids, labels=ids, use_cache=False)
+    assert "decoder layer 0 (GPT2Block) does not fit a poros region" in str(err.value)
+    assert "regions=False" in str(err.value)
 
 
 def test_user_asserted_family_streams():

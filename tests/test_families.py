@@ -10,8 +10,9 @@ import torch
 
 import poros_fx
 from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
+from poros_fx.compiler import block_graph
 from poros_fx.prepare import get_store
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.tools.tiny import demo_batches, gemma4_options, lora_targets, tiny_config, tiny_lora_model
 
 STEPS = 20
 ACCUMULATE = 2
@@ -71,3 +72,101 @@ def test_gemma3_tiny_config_exercises_its_features():
     assert lm.lm_head.weight is lm.model.embed_tokens.weight
     assert float(lm.model.embed_tokens.embed_scale) != 1.0
     assert hasattr(lm.model.layers[0], "pre_feedforward_layernorm")
+
+
+# -- Qwen3.5 and Gemma 4: layers of several structures, state that crosses layers --------------------------
+
+NEW_STEPS = 6
+NEW_CASES = {
+    # three Gated DeltaNet layers (linear attention, 2-D padding mask) to one gated full-attention layer
+    "qwen3_5_text": dict(layers=4),
+    # sliding and full layers of different shapes, with every option on: per-layer embeddings, KV sharing
+    # (layers 2-3 read the keys and values layers 0-1 stored), keys equal to values, double-wide MLP, MoE
+    "gemma4_text": dict(layers=4, **gemma4_options()),
+}
+# regions per family: one per layer structure (Gemma 4: each of a sliding / full layer that stores its
+# keys and values and one that reads them)
+NEW_REGIONS = {"qwen3_5_text": 2, "gemma4_text": 4}
+
+
+def run_new(mode, family, *, dtype=torch.float32, nf4=False, steps=NEW_STEPS, **config):
+    model = tiny_lora_model(family, dtype=dtype, nf4=nf4, dropout=0.1, **config)
+    step_model = model
+    if mode != "eager":
+        poros_fx.prepare(model, device="cpu", block_size=1, prefetch=1, codegen="eager")
+        step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
+    batches = demo_batches(steps * ACCUMULATE, vocab=256, seq=24, batch=2, seed=7)
+    # the streamed run accumulates block-major (each block once for both micro-batches), the others in order
+    return train(model, step_model, batches, accumulate=ACCUMULATE, block_major=mode == "stream"), model
+
+
+@pytest.mark.parametrize("family", sorted(NEW_CASES))
+def test_new_family_streamed_equals_resident_and_eager(family):
+    """fp32, LoRA dropout 0.1 on every linear of both layer kinds, accumulation 2 block-major: streamed ==
+    stream=False == the plain eager PEFT loop, every surface, every step; each layer a region of its own
+    structure, compiled once per structure; what crosses layers saved as block outputs."""
+    streamed, model = run_new("stream", family, **NEW_CASES[family])
+    store = get_store(model)
+    assert store.family is poros_fx.VALIDATED[family]
+    assert store.ledger.block_major_steps == NEW_STEPS
+    regions = store.regions.regions
+    assert len(regions) == NEW_REGIONS[family]
+    assert sorted(i for r in regions for i in r.layers) == list(range(4))  # every layer a region
+    schedule = store.schedules[0]
+    graph = schedule.block_graph  # the block DAG: loads in its topological order, crossings saved
+    assert block_graph.load_order(graph) == list(range(len(schedule.blocks)))
+    if family == "gemma4_text":  # layers 0 and 1 hand their keys and values on as region outputs
+        assert {r.writes for r in regions} == {(), (("sliding_attention", 2),), (("full_attention", 2),)}
+        # ... which reach the KV-shared layers 2 and 3 (blocks 3, 4) as saved block outputs: DAG edges
+        assert {(1, 3), (2, 4)} <= set(block_graph.extra_edges(graph))
+        assert "held from layers.0's forward" in schedule.table()
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad}
+    assert adapted == set(lora_targets(family))
+
+    resident, _ = run_new("resident", family, **NEW_CASES[family])
+    diffs = compare(streamed, resident)
+    assert diffs == ZERO, format_diffs(f"{family} streamed vs stream=False", diffs)
+    eager, _ = run_new("eager", family, **NEW_CASES[family])
+    diffs = compare(streamed, eager)
+    assert diffs == ZERO, format_diffs(f"{family} streamed vs eager", diffs)
+
+
+@pytest.mark.parametrize("family,base", [("qwen3_5_text", "nf4"), ("gemma4_text", "nf4"), ("qwen3_5_text", "bf16"),
+                                         ("gemma4_text", "bf16")])
+def test_new_family_nf4_and_bf16_bases(family, base):
+    """An NF4 base (bf16 compute) and a bf16 base: streamed (block-major) == stream=False, two layers (one
+    of each kind). Gemma 4 here with the 31B's options (keys equal to values; no per-layer inputs, KV
+    sharing or MoE)."""
+    config = dict(layers=2, attention_k_eq_v=True) if family == "gemma4_text" else dict(layers=2)
+    kwargs = dict(dtype=torch.bfloat16, nf4=base == "nf4", steps=2, **config)
+    streamed, model = run_new("stream", family, **kwargs)
+    resident, _ = run_new("resident", family, **kwargs)
+    diffs = compare(streamed, resident)
+    assert diffs == ZERO, format_diffs(f"{family} {base} streamed vs stream=False", diffs)
+
+
+def test_new_family_configs_exercise_their_features():
+    """What the parity cases above cover, read off the tiny models (no compile)."""
+    qwen = tiny_lora_model("qwen3_5_text", layers=4).get_base_model()
+    assert qwen.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert {type(m).__name__ for m in qwen.model.layers[0].modules()} >= {"Qwen3_5GatedDeltaNet"}
+    assert {"A_log", "dt_bias"} <= {n.rsplit(".", 1)[-1] for n, _ in qwen.model.layers[0].named_parameters()}
+    # the qwen3_5 (multimodal) checkpoints' type builds the same text model
+    import transformers
+
+    text = tiny_config("qwen3_5_text", layers=4).to_dict()
+    wrapped = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3_5Config(text_config=text))
+    assert wrapped.config.model_type == "qwen3_5_text" and len(wrapped.model.layers) == 4
+    assert "qwen3_5" in poros_fx.VALIDATED
+
+    gemma = tiny_lora_model("gemma4_text", layers=4, **gemma4_options()).get_base_model()
+    config = gemma.config
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 2 and config.sliding_window < 24
+    attn = [layer.self_attn for layer in gemma.model.layers]
+    assert attn[1].head_dim == 2 * attn[0].head_dim  # full layers: global_head_dim
+    assert attn[1].v_proj is None and attn[0].v_proj is not None  # attention_k_eq_v in the full layers
+    assert [a.is_kv_shared_layer for a in attn] == [False, False, True, True]
+    assert [a.store_full_length_kv for a in attn] == [True, True, False, False]
+    assert gemma.model.embed_tokens_per_layer.weight.shape == (256, 4 * 16)  # per-layer embeddings
+    assert gemma.model.layers[2].mlp.intermediate_size == 2 * gemma.model.layers[0].mlp.intermediate_size
+    assert all(layer.enable_moe_block for layer in gemma.model.layers)

@@ -3,7 +3,8 @@
 With ``options={"dump": folder}`` or ``POROS_FX_DUMP=folder`` each compiled graph gets a folder
 ``graph_N`` holding ``00_joint.py`` (the captured joint graph), ``NN_<phase>_<pass>.py`` after every
 pass (readable Python, devices shown), ``schedule.txt`` (the schedule table), ``timeline.png``
-(blocks over the step: compute, recompute, loads, evicts; predicted memory with its peak) and, for
+(blocks over the step: compute, recompute, loads, evicts; predicted memory with its peak),
+``blocks.png`` (the block DAG, ``block_graph.py``: what crosses between blocks, held how long) and, for
 each decoder-layer region the graph calls, ``regions/rK_joint.py``, ``rK_forward.py`` and
 ``rK_backward.py`` (the one layer's joint graph and its partition, after the region passes). A step that runs
 block-major adds ``NN_lockstep_forward.py`` / ``NN_lockstep_backward.py``: the segments its lockstep
@@ -20,7 +21,7 @@ from typing import Any
 import torch.fx as fx
 
 from .schedule import Schedule
-from .timeline import render
+from .timeline import draw_block_graph, render
 
 
 class Dumper:
@@ -70,6 +71,8 @@ class Dumper:
         if schedule.graphs:
             try:
                 render(schedule, self.folder / "timeline.png")
+                if schedule.block_graph is not None:
+                    draw_block_graph(schedule, self.folder / "blocks.png")
             except Exception as err:  # a picture must never stop a training run
                 warnings.warn(f"poros dump: timeline picture not written ({type(err).__name__}: {err})")
 

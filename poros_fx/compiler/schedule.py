@@ -13,6 +13,7 @@ import torch
 
 from ..options import PorosOptions
 from ..runtime.budget import describe
+from .block_graph import describe as describe_blocks
 
 
 @dataclasses.dataclass
@@ -89,6 +90,8 @@ class Schedule:
     layers_from_loads: bool = False  # module paths named no layer (a graph break inside one): placed by loads
     num_fwd_outputs: int = 0  # joint graph outputs that belong to the forward
     blocks: list[Block] = dataclasses.field(default_factory=list)
+    # the blocks as a DAG (networkx; compiler/block_graph.py): load order, what crosses blocks, liveness
+    block_graph: Any = dataclasses.field(default=None, repr=False)
     host_inputs: dict[str, Any] = dataclasses.field(default_factory=dict)  # placeholder name -> HostEntry
     loads: list[Load] = dataclasses.field(default_factory=list)
     evicts: list[Evict] = dataclasses.field(default_factory=list)
@@ -150,6 +153,8 @@ class Schedule:
         tail = f"\nsaved for backward ({len(self.saved_boundaries)}): {', '.join(self.saved_boundaries)}\n"
         if self.offloaded:
             tail += f"offloaded to host memory ({len(self.offloaded)}): {', '.join(self.offloaded)}\n"
+        if self.block_graph is not None:
+            tail += describe_blocks(self.block_graph)
         for r in self.regions.values():
             tail += (f"region {r.name} ({r.codegen}): blocks {_span([str(b) for b in sorted(r.blocks)])}, forward "
                      f"{r.forward_nodes} nodes, backward {r.backward_nodes} nodes, {r.saved} saved tensors, traced in "

@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from ..passes.block_partition import BLOCK, FORWARD
 from ..runtime.executor import GraphRuntime
+from .block_graph import live_bytes, load_order
 from .schedule import Schedule
 
 
@@ -159,3 +160,53 @@ def render(schedule: Schedule, path: str | Path) -> Timeline:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return tl
+
+
+def draw_block_graph(schedule: Schedule, path: str | Path) -> None:
+    """``blocks.png``: the block DAG (``block_graph.py``), blocks left to right in load order, each edge an
+    arc labelled with what it carries; arcs above the row skip blocks (state crossing layers: rotary
+    tables, per-layer inputs, shared keys and values), the chain's edges run along it. Below, the bytes
+    the saved crossing values hold over the step (forward, then backward) with the peak marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch
+
+    graph = schedule.block_graph
+    names = [graph.nodes[i]["name"] for i in range(graph.number_of_nodes())]
+    order = load_order(graph)
+    x = {b: i for i, b in enumerate(order)}
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6.0, 0.9 * len(order) + 2), 5.5),
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    for b in order:
+        top.scatter([x[b]], [0], s=500, color="#9ecae1", zorder=3)
+        top.annotate(names[b], (x[b], 0), ha="center", va="center", fontsize=7, zorder=4)
+    span = 1
+    for a, b, data in graph.edges(data=True):
+        carried = sum(c.nbytes for c in data["values"])
+        skip = x[b] - x[a]
+        span = max(span, skip)
+        arc = FancyArrowPatch((x[a], 0.08 if skip > 1 else 0), (x[b], 0.08 if skip > 1 else 0),
+                              connectionstyle=f"arc3,rad={-0.35 if skip > 1 else 0.0}", arrowstyle="-|>",
+                              mutation_scale=8, color="#d95f0e" if skip > 1 else "#636363", lw=0.8, zorder=2)
+        top.add_patch(arc)
+        if skip == 1:
+            top.annotate(f"{carried:,}", ((x[a] + x[b]) / 2, -0.12), ha="center", fontsize=6)
+    top.set_xlim(-0.7, len(order) - 0.3)
+    top.set_ylim(-0.4, 0.2 + 0.18 * span)
+    top.axis("off")
+    top.set_title(f"{schedule.graph_id}: block graph ({graph.number_of_edges()} edges; orange arcs skip blocks; "
+                  "numbers: bytes to the next block)", fontsize=8)
+    held = live_bytes(graph)
+    bottom.step(range(len(held)), held, where="post", color="#3182bd")
+    peak = max(range(len(held)), key=held.__getitem__) if held else 0
+    if held:
+        bottom.annotate(f"peak {held[peak]:,} bytes", (peak, held[peak]), fontsize=7)
+    bottom.axvline(len(order) - 0.5, color="#bdbdbd", lw=0.8)
+    bottom.set_xlabel("step position (forward blocks, then backward blocks in reverse)", fontsize=7)
+    bottom.set_ylabel("saved crossing values", fontsize=7)
+    bottom.tick_params(labelsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

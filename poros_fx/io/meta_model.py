@@ -148,6 +148,10 @@ def rebuild_buffers(model: nn.Module, config: "transformers.PretrainedConfig") -
         on_meta = [n for n, b in module._buffers.items() if b is not None and b.is_meta]
         if not on_meta:
             continue
+        if on_meta == ["embed_scale"] and isinstance(getattr(module, "scalar_embed_scale", None), float):
+            # Gemma's scaled embeddings keep their scale as a float too (their constructor takes sizes)
+            module._buffers["embed_scale"] = torch.tensor(module.scalar_embed_scale).to(module._buffers["embed_scale"].dtype)
+            continue
         try:
             with torch.device("cpu"):
                 own = getattr(module, "config", None)

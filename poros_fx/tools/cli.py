@@ -48,6 +48,7 @@ from . import bench as harness, multi_bench
 from .estimate import lora_bytes, step_memory
 from .evaluation import evaluate
 from .h2d import measure_gpus, measure_ranks
+from .kernels import linear_attention_paths
 from .run_config import read_run_config
 from .run_state import claim_out, resume_settings
 from .sources import load_config, model_source, read_data, set_layers
@@ -153,6 +154,8 @@ def doctor() -> None:
                   else "one process (several GPUs: torchrun --nproc-per-node N ...)")
     backends = [b for b in ("nccl", "gloo") if getattr(torch.distributed, f"is_{b}_available", lambda: False)()]
     table.add_row("torch.distributed", ", ".join(backends) if backends else "[red]not available[/red]")
+    for what, path in linear_attention_paths():  # Qwen3.5's Gated DeltaNet layers
+        table.add_row(f"qwen3.5 {what}", path)
     free = shm_free_bytes()
     table.add_row("shared memory", f"{shm_dir()}: {format_bytes(free)} free (the ranks of a host keep one copy of the "
                   "base here)" if free is not None else f"[red]{shm_dir()} does not exist[/red] (POROS_FX_SHM_DIR)")
@@ -205,6 +208,13 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
     for name in shown:
         table.add_row(name, "" if name == "..." else format_bytes(sizes[names.index(name)]))
     console.print(table)
+    kinds = getattr(config, "layer_types", None)
+    if block_size == 1 and isinstance(kinds, list) and len(set(kinds)) > 1 and len(kinds) == len(names) - 2:
+        # layers of several structures (Qwen3.5: linear / full attention; Gemma 4: sliding / full)
+        per_kind = {k: sorted({sizes[1 + i] for i, kk in enumerate(kinds) if kk == k}) for k in dict.fromkeys(kinds)}
+        console.print("base bytes per layer structure: " + "; ".join(
+            f"{k} x {kinds.count(k)}: {', '.join(format_bytes(b) for b in v)}" for k, v in per_kind.items()),
+            soft_wrap=True, highlight=False)
     console.print(f"base: {format_bytes(sum(sizes))} loaded by {len(names)} blocks per pass (the embedding's rows are "
                   "gathered from the host store, its table is loaded only where the head shares it); "
                   f"largest block {format_bytes(max(sizes))} ({names[sizes.index(max(sizes))]})")
@@ -228,7 +238,10 @@ def _check_step(config, family, names: list[str], sizes: list[int], window: int,
                 offload_boundaries: bool = False) -> None:
     """``check``'s estimate of the step (tools/estimate.py) and, with a budget, the plan it would make."""
     adapter = lora_bytes(config, family, lora_targets(config.model_type), lora_r)
+    console.print(f"LoRA targets (every linear of a decoder layer): {', '.join(lora_targets(config.model_type))}",
+                  soft_wrap=True, highlight=False)
     est = step_memory(config, window, seq=seq_len, batch=batch_size, in_flight=accumulate, adapter_bytes=adapter,
+                      names=names if len(names) == config.num_hidden_layers + 2 else None,
                       loss_chunks=loss_chunks, offload_boundaries=offload_boundaries)
     console.print(f"estimated device memory of a streamed step (seq {seq_len}, batch {batch_size}, "
                   f"{accumulate} micro-batch(es) in flight{', block-major' if accumulate > 1 else ''}, LoRA r{lora_r} on "

@@ -8,10 +8,12 @@ plain product of sizes:
   lm_head);
 * adapter: ``r x (in + out)`` fp32 values per LoRA target in every decoder layer, times four (the
   weights, their gradients, AdamW's two moments);
-* boundaries: one hidden state per decoder layer per micro-batch in flight (``batch x seq x hidden``
-  at 2 bytes; every micro-batch of the step when they run block-major); with ``offload_boundaries``
-  they wait in host memory and two per micro-batch in flight are on the device (the one being copied
-  out or back and the one in use);
+* boundaries: what the block DAG (``compiler/block_graph.py``, from the config: ``config_block_graph``)
+  holds at its worst point, per micro-batch in flight (every micro-batch of the step when they run
+  block-major): one hidden state per block (``batch x seq x hidden`` at 2 bytes), and for Gemma 4 the
+  per-layer inputs (embed to every layer) and the keys and values KV-shared layers read; with
+  ``offload_boundaries`` the hidden states wait in host memory and two per micro-batch in flight are on
+  the device (the one being copied out or back and the one in use);
 * logits: ``batch x seq x vocab`` per micro-batch in flight at 2 bytes (bf16) and 4 (the fp32 values
   the loss keeps), plus one micro-batch's fp32 gradient; with ``chunked_loss`` one vocabulary chunk's
   (``loss.py``: its bf16 and fp32 logits and their fp32 and bf16 gradients, 12 bytes a value) plus
@@ -28,6 +30,8 @@ import dataclasses
 from typing import Any
 
 from torch import nn
+
+from ..compiler import block_graph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,22 +61,54 @@ def lora_bytes(config: Any, family: Any, targets: list[str], r: int) -> int:
     return total
 
 
+def config_block_graph(config: Any, names: list[str], tokens: int) -> Any:
+    """The block DAG of a model of ``config`` (one layer per block; ``names`` from ``io/sizes.py``) with
+    the bytes a micro-batch of ``tokens`` puts on each edge: each layer's input hidden state; Gemma 4's
+    per-layer inputs from the embed block to every layer; its stored keys and values from the last
+    layer of each kind before the KV-shared ones to every shared layer of that kind."""
+    layers = len(names) - 2
+    hidden = tokens * config.hidden_size * 2
+    # one hidden state per decoder layer, its input (the head's input counts in its logits' share)
+    found = [block_graph.Crossing(f"{names[i]} output", i, (i + 1,), hidden) for i in range(len(names) - 2)]
+    per_layer = getattr(config, "hidden_size_per_layer_input", 0) or 0
+    if per_layer:
+        found.append(block_graph.Crossing("per-layer inputs", 0, tuple(range(1, layers + 1)), tokens * layers * per_layer * 2))
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    kinds = getattr(config, "layer_types", None) or []
+    if shared and kinds and layers == len(kinds):
+        first = layers - shared
+        for kind in sorted(set(kinds[first:])):
+            store = max(i for i in range(first) if kinds[i] == kind)
+            readers = tuple(1 + i for i in range(first, layers) if kinds[i] == kind)
+            per = getattr(config, "per_layer_config", {}).get(store) if hasattr(config, "per_layer_config") else None
+            head_dim = getattr(per, "head_dim", None) or config.head_dim
+            kv_heads = getattr(per, "num_key_value_heads", None) or config.num_key_value_heads
+            found.append(block_graph.Crossing(f"{kind} keys and values", 1 + store, readers,
+                                              2 * tokens * kv_heads * head_dim * 2))
+    return block_graph.build(names, found)
+
+
 def step_memory(config: Any, window: int, *, seq: int, batch: int, in_flight: int, adapter_bytes: int,
-                loss_chunks: int | None = None, offload_boundaries: bool = False) -> StepMemory:
+                names: list[str] | None = None, loss_chunks: int | None = None,
+                offload_boundaries: bool = False) -> StepMemory:
     """The estimate for ``in_flight`` micro-batches held at once (block-major: the accumulation);
-    ``loss_chunks``: the vocabulary chunks of a chunked loss (``None``: HF's loss over the whole logits)."""
+    ``names``: the blocks (one layer each), for the block DAG's boundary bytes; ``loss_chunks``: the
+    vocabulary chunks of a chunked loss (``None``: HF's loss over the whole logits)."""
     hidden, vocab = config.hidden_size, config.vocab_size
     intermediate = getattr(config, "intermediate_size", 4 * hidden)
     tokens = batch * seq
+    names = names or ["embed"] + [f"layers.{i}" for i in range(config.num_hidden_layers)] + ["head"]
+    boundaries = block_graph.peak_live_bytes(config_block_graph(config, names, tokens))
+    if offload_boundaries:  # the hidden states wait on the host: two on the device (see the module docstring)
+        boundaries = min(2, config.num_hidden_layers) * tokens * hidden * 2
     if loss_chunks is None:
         logits = in_flight * tokens * vocab * (2 + 4) + tokens * vocab * 4
     else:
         logits = tokens * -(-vocab // loss_chunks) * (2 + 4 + 4 + 2) + in_flight * tokens * loss_chunks * 4
-    held = min(2, config.num_hidden_layers) if offload_boundaries else config.num_hidden_layers
     return StepMemory(
         base_window=window,
         adapter=4 * adapter_bytes,
-        boundaries=in_flight * held * tokens * hidden * 2,
+        boundaries=in_flight * boundaries,
         logits=logits,
         layer=tokens * (8 * hidden + 4 * intermediate) * 2,
     )

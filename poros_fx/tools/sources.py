@@ -1,6 +1,7 @@
 """What a command line names, resolved: models, data files and LoRA targets.
 
-MODEL_OR_CONFIG is a built-in shape (qwen2.5-0.5b, -7b, -32b, -72b), a ``config.json`` or a folder
+MODEL_OR_CONFIG is a built-in shape (qwen2.5-0.5b, -7b, -32b, -72b; qwen3.5-27b and gemma-4-31b from
+``tools/configs/``), a ``config.json`` or a folder
 holding one, or a hub id already in the local huggingface cache; nothing is downloaded. A data file is
 tokenized with the tokenizer saved beside the model, when there is one. Shared by check, dump, train
 and eval so that they read a name the same way.
@@ -14,14 +15,14 @@ from typing import TYPE_CHECKING, Optional
 from ..errors import PorosConfigError
 from ..io.data import load_dataset
 from ..io.loader import resolve_folder
-from .tiny import lora_targets, qwen25_config
+from .tiny import SHAPE_CONFIGS, lora_targets, qwen25_config, shape_config
 
 if TYPE_CHECKING:
     import transformers
 
     from ..io.data import TokenDataset
 
-BUILTIN = ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b")
+BUILTIN = ("qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-32b", "qwen2.5-72b", *SHAPE_CONFIGS)
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -31,6 +32,8 @@ def load_config(model_or_config: str) -> "transformers.PretrainedConfig":
     """A transformers config from a built-in name, a config.json, a folder, or the local hub cache."""
     import transformers
 
+    if model_or_config.lower() in SHAPE_CONFIGS:
+        return shape_config(model_or_config.lower())
     if model_or_config.lower() in BUILTIN:
         return qwen25_config(model_or_config.lower().split("-", 1)[1])
     path = Path(model_or_config)

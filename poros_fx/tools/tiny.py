@@ -7,6 +7,7 @@ the demo (``python -m poros_fx``), the parity example and the tests.
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import torch
 import transformers
@@ -19,10 +20,18 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # Phi-3 fuses q/k/v into one projection and gate/up into another
 FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
+# Qwen3.5: every linear of both layer kinds, the gated full attention's seven projections and the
+# Gated DeltaNet's five (in_proj_b / in_proj_a give the update and decay gates, one value per head)
+QWEN3_5_TARGETS = (*TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+# Gemma 4: the seven projections; the per-layer-input gate and projection are frozen base (a full
+# layer with attention_k_eq_v has no v_proj; PEFT then finds six in that layer)
+GEMMA4_TARGETS = TARGETS
+
 # LoRA on every linear of a decoder layer, per model_type
 FAMILY_TARGETS: types.MappingProxyType[str, tuple[str, ...]] = types.MappingProxyType({
     "qwen2": TARGETS, "llama": TARGETS, "mistral": TARGETS, "qwen3": TARGETS, "gemma3_text": TARGETS,
-    "phi3": FUSED_TARGETS,
+    "phi3": FUSED_TARGETS, "qwen3_5_text": QWEN3_5_TARGETS, "qwen3_5": QWEN3_5_TARGETS,
+    "gemma4_text": GEMMA4_TARGETS,
 })
 
 _CONFIGS: types.MappingProxyType[str, type] = types.MappingProxyType({
@@ -32,6 +41,8 @@ _CONFIGS: types.MappingProxyType[str, type] = types.MappingProxyType({
     "qwen3": transformers.Qwen3Config,
     "gemma3_text": transformers.Gemma3TextConfig,
     "phi3": transformers.Phi3Config,
+    "qwen3_5_text": transformers.Qwen3_5TextConfig,
+    "gemma4_text": transformers.Gemma4TextConfig,
 })
 
 
@@ -43,27 +54,54 @@ def lora_targets(model_type: str) -> list[str]:
 
 def tiny_config(family: str = "qwen2", *, layers: int = 3, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                 vocab: int = 256, attn: str = "sdpa", tie_word_embeddings: bool = False, intermediate: int | None = None,
-                attention_dropout: float = 0.0) -> transformers.PretrainedConfig:
+                attention_dropout: float = 0.0, **overrides: object) -> transformers.PretrainedConfig:
     """A small config of ``family``: ``intermediate`` (default ``2 * hidden``) and ``hidden`` need not be
-    multiples of anything; ``attention_dropout`` > 0 draws random numbers inside the attention."""
+    multiples of anything; ``attention_dropout`` > 0 draws random numbers inside the attention;
+    ``overrides`` are set on the config last (Gemma 4's options, say)."""
     if family not in _CONFIGS:
         raise ValueError(f"no tiny config for {family!r}; known: {sorted(_CONFIGS)}")
     kwargs = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
                   attention_dropout=attention_dropout)
-    if family in ("qwen3", "gemma3_text"):
+    if family in ("qwen3", "gemma3_text", "qwen3_5_text", "gemma4_text"):
         kwargs["head_dim"] = hidden // heads
     if family == "gemma3_text":
         # both attention kinds, and a window shorter than the test sequences so the sliding mask matters
         kwargs.update(sliding_window=8, layer_types=[("full_attention" if i % 2 else "sliding_attention")
                                                      for i in range(layers)])
+    if family == "qwen3_5_text":
+        # three Gated DeltaNet layers to one gated full-attention layer (the real models' pattern), the
+        # last layer full as in the real models (two layers: one of each)
+        kwargs.update(linear_key_head_dim=hidden // heads, linear_value_head_dim=hidden // heads,
+                      linear_num_key_heads=kv_heads, linear_num_value_heads=heads,
+                      layer_types=[("full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention")
+                                   for i in range(layers)])
+    if family == "gemma4_text":
+        # sliding and full layers of different shapes (a full layer's head_dim doubled, fewer KV heads);
+        # per-layer inputs and KV sharing off unless overridden (gemma4_options: all of them on)
+        kwargs.update(sliding_window=8, global_head_dim=2 * hidden // heads, num_global_key_value_heads=2,
+                      vocab_size_per_layer_input=vocab, hidden_size_per_layer_input=0,
+                      layer_types=[("full_attention" if i % 2 else "sliding_attention") for i in range(layers)])
     if family == "phi3":
         # Phi3Config's default special tokens (32000) lie outside a tiny vocabulary
         kwargs.update(pad_token_id=None, bos_token_id=1, eos_token_id=2)
+    kwargs.update(overrides)
     config = _CONFIGS[family](**kwargs)
     config._attn_implementation = attn
     return config
+
+
+def gemma4_options(layers: int = 4, moe: bool = True) -> dict[str, object]:
+    """Every Gemma 4 option a tiny config can switch on: per-layer embeddings (one 16-wide input per
+    layer), KV sharing (the last ``layers // 2`` layers read the keys and values earlier layers
+    stored), keys equal to values in the full layers (no v_proj), a double-wide MLP (in the KV-shared
+    layers, where Gemma 4 puts it) and (``moe``) the mixture-of-experts block beside each MLP."""
+    options: dict[str, object] = dict(hidden_size_per_layer_input=16, num_kv_shared_layers=layers // 2,
+                                      attention_k_eq_v=True, use_double_wide_mlp=True)
+    if moe:
+        options.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
+    return options
 
 
 def qwen25_config(size: str = "0.5b") -> transformers.PretrainedConfig:
@@ -80,6 +118,19 @@ def qwen25_config(size: str = "0.5b") -> transformers.PretrainedConfig:
     config = transformers.Qwen2Config(vocab_size=151936, hidden_size=hidden, intermediate_size=inter,
                                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
                                       max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=tied)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+# real shapes written from the published sizes (tools/configs/README.md says where each number comes from)
+SHAPE_CONFIGS = ("qwen3.5-27b", "gemma-4-31b")
+
+
+def shape_config(name: str) -> transformers.PretrainedConfig:
+    """A real model's shape (random-init; no hub needed): ``qwen3.5-27b`` or ``gemma-4-31b``."""
+    if name not in SHAPE_CONFIGS:
+        raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPE_CONFIGS)}")
+    config = transformers.AutoConfig.from_pretrained(Path(__file__).parent / "configs" / name)
     config._attn_implementation = "sdpa"
     return config
 

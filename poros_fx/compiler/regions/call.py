@@ -6,11 +6,23 @@ rebuilds the call from the two. ``("hidden", attention_mask=(mask, skip), use_ca
 
     tensors: [hidden, mask, skip]
     call:    "#0:T\\x1fattention_mask:(2\\x1fuse_cache=False"
+
+State that crosses layers outside the hidden state comes as a mapping of names to tuples of tensors
+(Gemma 4's ``shared_kv_states``: the keys and values a layer stores for later layers to read). Its
+entries are tensors of the call, sorted by name, and the region's trace rebuilds it as a ``dict``
+(``shared_kv_states={sliding_attention: (k, v)}``)::
+
+    tensors: [hidden, k, v]
+    call:    "#0:T\\x1fshared_kv_states:{sliding_attention=2"
+
+What the layer writes into it comes back as more outputs of the region (``trace.py``: ``writes``)
+and goes into the caller's mapping (``ops.call_region``).
 """
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
@@ -31,6 +43,13 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], str] | 
         elif isinstance(value, (tuple, list)) and len(value) > 0 and all(isinstance(v, torch.Tensor) for v in value):
             tensors.extend(value)
             entries.append(f"{name}:{'(' if isinstance(value, tuple) else '['}{len(value)}")
+        elif isinstance(value, Mapping):
+            names = sorted(value.keys())
+            if any(not _tensor_tuple(value[k]) or not _plain_name(k) for k in names):
+                return None
+            for k in names:
+                tensors.extend(value[k])
+            entries.append(f"{name}:{{" + ",".join([f"{k}={len(value[k])}" for k in names]))
         elif value is None or isinstance(value, (bool, int, float, str)):
             text = repr(value)
             if SEP in text:
@@ -39,6 +58,23 @@ def flatten_call(args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], str] | 
         else:
             return None
     return tensors, SEP.join(entries)
+
+
+def _tensor_tuple(value: Any) -> bool:
+    return isinstance(value, tuple) and len(value) > 0 and all(isinstance(v, torch.Tensor) for v in value)
+
+
+def _plain_name(key: Any) -> bool:
+    return isinstance(key, str) and key.isidentifier()
+
+
+def state_mapping(args: tuple, kwargs: dict) -> Any:
+    """The mapping of a layer call that carries state between layers (``flatten_call`` flattens it),
+    or ``None``: the one the region's writes go back into."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Mapping):
+            return value
+    return None
 
 
 def rebuild_call(call: str, tensors: Sequence[Any]) -> tuple[tuple, dict]:
@@ -56,6 +92,11 @@ def rebuild_call(call: str, tensors: Sequence[Any]) -> tuple[tuple, dict]:
             value = ast.literal_eval(payload)
         elif payload == "T":
             value = next(it)
+        elif payload[0] == "{":
+            value = {}
+            for item in payload[1:].split(",") if len(payload) > 1 else ():
+                key, count = item.split("=")
+                value[key] = tuple(next(it) for _ in range(int(count)))
         else:
             items = [next(it) for _ in range(int(payload[1:]))]
             value = tuple(items) if payload[0] == "(" else items

@@ -24,7 +24,7 @@ from ...errors import PorosConfigError
 # -- what makes two layers one region --------------------------------------------------------------------
 
 _SKIP_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "_poros_layer", "_poros_own", "_poros_hosts",
-                         "_poros_block", "_poros_modules", "_poros_adapters",
+                         "_poros_block", "_poros_modules", "_poros_adapters", "_poros_writes",
                          # the layer's index: read only to index a KV cache, which a region never gets
                          "layer_idx"})
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)

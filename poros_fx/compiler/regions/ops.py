@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..ops import LOAD
-from .call import SEP, flatten_call
+from .call import SEP, flatten_call, state_mapping
 from .compile import compile_region
 from .key import check_not_merged, mode_entry
 from .table import quiet_compile_events, table_of
@@ -113,11 +113,16 @@ def _backward(ctx: Any, grad_outputs: list[torch.Tensor | None]) -> tuple:
     region = table_of(table).regions[index]
     metas = region.output_meta(ctx.values)
     tangents = []
-    for i, g in enumerate(grad_outputs[:region.num_outputs]):  # its backward was traced with contiguous tangents
-        if g is None:
-            shape, _, dtype, device = metas[i]
-            g = torch.zeros(shape, dtype=dtype, device=device)
-        tangents.append(g.contiguous())
+    for i, g in enumerate(grad_outputs[:region.num_outputs]):
+        # its backward was traced with tangents laid out as the outputs are: contiguous (the hidden
+        # states), or as traced (a key written for later layers is a transposed view); decided from the
+        # region's expressions, so no size of the call is compared (no guard on a symbolic length)
+        shape, stride, dtype, device = metas[i]
+        if region.contiguous_outputs[i]:
+            tangents.append(g.contiguous() if g is not None else torch.zeros(shape, dtype=dtype, device=device))
+            continue
+        out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        tangents.append(out.zero_() if g is None else out.copy_(g))
     grads = REGION_BACKWARD([*ctx.saved_tensors, *tangents], table, index)
     out: list[torch.Tensor | None] = [None] * ctx.num_inputs
     for i, g in zip(region.grad_inputs, grads):
@@ -162,18 +167,20 @@ def layer_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if torch.compiler.is_compiling() and self._poros_table is not None:
         flat = flatten_call(args, kwargs)
         if flat is not None:
-            return call_region(self, *flat)
+            return call_region(self, *flat, carried=state_mapping(args, kwargs))
     elif not torch.compiler.is_compiling():
         check_not_merged(self)
     return type(self)._poros_layer_class.forward(self, *args, **kwargs)
 
 
-def call_region(layer: nn.Module, activations: list[torch.Tensor], call: str) -> torch.Tensor:
+def call_region(layer: nn.Module, activations: list[torch.Tensor], call: str, carried: Any = None) -> torch.Tensor:
     """Load the layer's base tensors and run it as one region. The layer's tensors come from the list
     ``prepare`` made (``_poros_own``, ``_poros_hosts``, ``_poros_block``; ``Packing`` says how they map
     to the layer's tensors): Dynamo walking ``named_parameters()`` generators cost ~0.5 s per layer,
     most of a deep model's compile, and every tensor it reads becomes a graph input of its own. The
-    layer's mode joins the call string, so Dynamo guards it (``key.mode_entry``)."""
+    layer's mode joins the call string, so Dynamo guards it (``key.mode_entry``). What the layer writes
+    into ``carried`` (the state it passes to later layers, ``call.py``) are the region's further outputs,
+    put back into it here (``_poros_writes``: the table set it when it found the region)."""
     device, block = layer._poros_device, layer._poros_block
     tensors = [*activations, *layer._poros_own]
     if block is not None:  # all host tensors in one load (Packing)
@@ -187,4 +194,9 @@ def call_region(layer: nn.Module, activations: list[torch.Tensor], call: str) ->
     if grad and "1" in grads and activations and activations[0].is_floating_point():
         grads = "1" + grads[1:]
     call = f"{call}{SEP}{mode_entry(layer)}" if call else mode_entry(layer)
-    return REGION(tensors, layer._poros_table, layer._poros_layer, call, grads)[0]
+    outputs = REGION(tensors, layer._poros_table, layer._poros_layer, call, grads)
+    k = 1
+    for key, count in layer._poros_writes:
+        carried[key] = tuple(outputs[k:k + count])
+        k += count
+    return outputs[0]

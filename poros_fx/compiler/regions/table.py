@@ -125,7 +125,9 @@ class RegionTable:
         found.append(region)
         found.sort(key=lambda r: not r.signature.dynamic)  # the general ones first: no size guards on a match
 
-    @staticmethod
-    def _used_by(region: Region, layer: int) -> None:
+    def _used_by(self, region: Region, layer: int) -> None:
         if layer not in region.layers:
             region.layers.append(layer)
+        # what the layer writes into the state it passes on (call.py): ``call_region`` reads it right
+        # after the op, in code Dynamo traces (which then guards it)
+        self.layers[layer]._poros_writes = region.writes

@@ -32,7 +32,7 @@ from torch import nn
 from ...errors import PorosConfigError
 from ..graph_metadata import forget_module_classes
 from ..ops import LOAD
-from .call import rebuild_call
+from .call import rebuild_call, state_mapping
 from .key import state_names
 from .shapes import Expressions, Signature, TensorMeta, TensorSpec, new_env, read, read_plan, trace_inputs
 
@@ -131,11 +131,16 @@ class Region:
     draws: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     compile_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
     lowered: bool = False  # the region passes ran on its graphs
+    # state the layer writes for later layers (``call.py``): (name, tensors) per entry; its tensors are
+    # the outputs after the first, in this order
+    writes: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         symbols = self.signature.symbols
         self._outputs = _meta_expressions(symbols, self.output_specs)
         self._gradients = _meta_expressions(self.backward_symbols, self.grad_specs)
+        # per output: laid out contiguously (its tangent is then made contiguous, as the trace's was)
+        self.contiguous_outputs = tuple(_contiguous(spec) for spec in self.output_specs[:self.num_outputs])
 
     @property
     def name(self) -> str:
@@ -171,6 +176,16 @@ class Region:
             else:
                 out.append(sizes[i])
         return out
+
+
+def _contiguous(spec: TensorSpec) -> bool:
+    """Whether ``spec``'s strides are the contiguous strides of its sizes (as expressions: for every size)."""
+    expected = sympy.Integer(1)
+    for size, stride in reversed(list(zip(spec.sizes, spec.strides))):
+        if sympy.simplify(size - 1) != 0 and sympy.simplify(stride - expected) != 0:
+            return False
+        expected = expected * size
+    return True
 
 
 class _MetaExpressions:
@@ -209,7 +224,9 @@ def isolated() -> Iterator[None]:
     # a custom op's fake impl runs below the autograd dispatch keys; a joint trace needs them back
     keys = torch._C.DispatchKey
     exclude = torch._C._dispatch_tls_local_exclude_set()
-    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
+    # (ADInplaceOrView too: an in-place write into a view, e.g. a chunked scan filling its output, must
+    # rebase the view's autograd history)
+    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor, keys.ADInplaceOrView):
         exclude = exclude.remove(key)
     with (unset_fake_temporarily(), disable_proxy_modes_tracing(), disable_functional_mode(), tracing(None),
           torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)):
@@ -231,7 +248,19 @@ def trace_region(layer: nn.Module, call: str, grads: str, metas: list[TensorMeta
         logger.warning("poros: decoder layer %d of this structure cannot be traced for every sequence length (%s); "
                        "it is traced at its sizes, and every new size traces and compiles it again",
                        layer._poros_layer, e)
+    try:
         return _trace(layer, call, grads, metas, index, symbolic=False)
+    except PorosConfigError:
+        raise
+    except Exception as e:  # one clear error (Dynamo wraps it; its last line is ours)
+        name = type(layer)._poros_layer_class.__name__
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise PorosConfigError(
+            f"decoder layer {layer._poros_layer} ({name}) does not fit a poros region: tracing its forward and "
+            f"backward failed with {reason}. A region takes a layer that returns its hidden states as one tensor, "
+            "passes tensors, tuples of tensors, plain values or a mapping of tuples of tensors, and attends "
+            "through transformers' attention interface. prepare(..., regions=False) traces such layers into the "
+            "step's graph instead (streamed, no region reuse); a validated family needs neither") from e
 
 
 class SymbolicTraceError(Exception):
@@ -250,15 +279,21 @@ def _trace(layer: nn.Module, call: str, grads: str, metas: list[TensorMeta], ind
     num_activations = packing.num_activations
     layer_class = type(layer)._poros_layer_class  # the layer's class before prepare made it a region
 
-    def fn(*flat: torch.Tensor) -> tuple[torch.Tensor]:
+    found_writes: list[tuple[tuple[str, int], ...]] = []
+
+    def fn(*flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         args, kwargs = rebuild_call(call, flat[:num_activations])
         state = dict(zip(names, flat[num_activations:]))
+        carried = state_mapping(args, kwargs)
+        before = dict(carried) if carried is not None else {}
         with torch.nn.utils.stateless._reparametrize_module(layer, state):
             out = layer_class.forward(layer, *args, **kwargs)
         if not isinstance(out, torch.Tensor):
             raise PorosConfigError(f"decoder layer {type(layer).__name__} returned {type(out).__name__}; a region "
                                    "takes layers that return their hidden states as one tensor (transformers 5)")
-        return (out,)
+        written = written_state(carried, before)
+        found_writes[:] = [tuple((k, len(v)) for k, v in written)]
+        return (out, *(t for _, v in written for t in v))
 
     training = "1" in grads
     mode = FakeTensorMode(shape_env=new_env(), allow_non_fake_inputs=True)
@@ -284,15 +319,18 @@ def _trace(layer: nn.Module, call: str, grads: str, metas: list[TensorMeta], ind
             raise SymbolicTraceError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     seconds = time.perf_counter() - started
     try:
+        writes = found_writes[0] if found_writes else ()
+        num_outputs = 1 + sum(n for _, n in writes)
         if not training:
             output_specs = [TensorSpec.of(mode.shape_env, n.meta["val"]) for n in _outputs(fw)]
             _check_symbols(signature, output_specs)
-            return Region(index=index, forward=fw, backward=None, joint=None, packing=packing, num_outputs=1,
+            return Region(index=index, forward=fw, backward=None, joint=None, packing=packing, num_outputs=num_outputs,
+                          writes=writes,
                           signature=signature, output_specs=output_specs, backward_inputs=(), backward_args=[],
                           backward_sizes=None, backward_symbols=(), backward_plan=(), grad_inputs=(), grad_specs=[],
                           mode=mode,
                           trace_seconds=seconds)
-        return _region_from_partition(index, joint, fw, bw, packing, signature, mode, seconds)
+        return _region_from_partition(index, joint, fw, bw, packing, signature, mode, seconds, writes)
     except ValueError as e:
         if not symbolic:
             raise
@@ -347,7 +385,8 @@ def _strip_loads(gm: fx.GraphModule) -> None:
 
 
 def _region_from_partition(index: int, joint: fx.GraphModule, fw: fx.GraphModule, bw: fx.GraphModule,
-                           packing: Packing, signature: Signature, mode: Any, seconds: float) -> Region:
+                           packing: Packing, signature: Signature, mode: Any, seconds: float,
+                           writes: tuple[tuple[str, int], ...] = ()) -> Region:
     """Saved inputs come from the op's inputs in the backward (the outer graph has them: a host tensor
     as its layer's block), not through the forward's outputs; saved sizes are read off the backward's
     tensors; the backward returns only the gradients that exist."""
@@ -355,15 +394,16 @@ def _region_from_partition(index: int, joint: fx.GraphModule, fw: fx.GraphModule
     primals = {n.name: i for i, n in enumerate(fw.graph.find_nodes(op="placeholder"))}
     fw_out = next(iter(fw.graph.find_nodes(op="output")))
     outs = list(fw_out.args[0])
-    if not isinstance(outs[0], fx.Node) or not isinstance(outs[0].meta.get("val"), torch.Tensor):
+    num_outputs = 1 + sum(n for _, n in writes)
+    if any(not isinstance(o, fx.Node) or not isinstance(o.meta.get("val"), torch.Tensor) for o in outs[:num_outputs]):
         raise ValueError("a region's forward returns a non-tensor")
-    kept = outs[:1] + [o for o in outs[1:] if isinstance(o, fx.Node) and o.op != "placeholder"
-                       and isinstance(o.meta.get("val"), torch.Tensor)]
+    kept = outs[:num_outputs] + [o for o in outs[num_outputs:] if isinstance(o, fx.Node) and o.op != "placeholder"
+                                 and isinstance(o.meta.get("val"), torch.Tensor)]
     fw_out.args = (tuple(kept),)
     fw.graph.eliminate_dead_code()
     fw.graph.lint()
     fw.recompile()
-    saved_index = {o.name: j for j, o in enumerate(kept[1:])}
+    saved_index = {o.name: j for j, o in enumerate(kept[num_outputs:])}
     sources = packing.sources
     placeholders = list(bw.graph.find_nodes(op="placeholder"))
     needed = sorted({packing.block_index if not isinstance(sources[primals[p.name]], int) else sources[primals[p.name]]
@@ -402,15 +442,34 @@ def _region_from_partition(index: int, joint: fx.GraphModule, fw: fx.GraphModule
     used = set().union(*(sympy.sympify(e).free_symbols for e in size_exprs),
                        *(e.free_symbols for spec in grad_specs for e in (*spec.sizes, *spec.strides)))
     symbols = tuple(s for s in signature.symbols if s in used)
-    specs = [signature.inputs[i] for i in needed] + output_specs[1:] + output_specs[:1]
+    specs = [signature.inputs[i] for i in needed] + output_specs[num_outputs:] + output_specs[:num_outputs]
     plan = read_plan(symbols, specs)
-    return Region(index=index, forward=fw, backward=bw, joint=joint, packing=packing, num_outputs=1,
+    return Region(index=index, forward=fw, backward=bw, joint=joint, packing=packing, num_outputs=num_outputs,
+                  writes=writes,
                   signature=signature, output_specs=output_specs, backward_inputs=tuple(needed),
                   backward_args=backward_args,
                   backward_sizes=Expressions(symbols, size_exprs) if size_exprs else None, backward_symbols=symbols,
                   backward_plan=plan, grad_inputs=tuple(sources[i] for i in with_grad),
                   grad_specs=grad_specs, mode=mode,
                   trace_seconds=seconds)
+
+
+def written_state(carried: Any, before: dict) -> list[tuple[str, tuple[torch.Tensor, ...]]]:
+    """What a layer put into the mapping it was called with (entries new or replaced), sorted by name;
+    each must be a tuple of tensors (a region hands back tensors only)."""
+    if carried is None:
+        return []
+    out = []
+    for key in sorted(carried):
+        value = carried[key]
+        if key in before and value is before[key]:
+            continue
+        if not (isinstance(key, str) and isinstance(value, tuple) and value
+                and all(isinstance(t, torch.Tensor) for t in value)):
+            raise PorosConfigError(f"a decoder layer wrote {key!r} = {type(value).__name__} into the state it passes to "
+                                   "later layers; a region carries tuples of tensors under string names only")
+        out.append((key, value))
+    return out
 
 
 def _check_symbols(signature: Signature, specs: Sequence[TensorSpec], exprs: Sequence[Any] = ()) -> None:

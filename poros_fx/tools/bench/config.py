@@ -9,10 +9,12 @@ from typing import Literal, Mapping
 from .methods import METHODS, Method, State
 from ...errors import PorosConfigError
 from ...units import parse_size
+from ..tiny import SHAPE_CONFIGS
 
 NO_CUDA_MESSAGE = "poros-fx bench needs a CUDA GPU; use --device cpu --models tiny for a smoke run"
 SIZES = ("0.5b", "7b", "32b", "72b")
-MODEL_ORDER = ("tiny", *(f"qwen2.5-{s}" for s in SIZES))
+# the two real shapes of other families (tools/configs/): qwen3.5-27b, gemma-4-31b
+MODEL_ORDER = ("tiny", *(f"qwen2.5-{s}" for s in SIZES), *SHAPE_CONFIGS)
 DEFAULT_MODELS = "0.5b,7b,32b,72b"
 DEFAULT_METHODS = "peft_resident,peft_checkpointing,poros,poros_resident"
 DEFAULT_BLOCK_SIZES = "1,2,4"
@@ -57,11 +59,12 @@ def _ints(text: str, what: str) -> tuple[int, ...]:
 def model_name(name: str) -> str:
     """``7b`` / ``qwen2.5-7b`` -> ``qwen2.5-7b``; ``tiny`` stays."""
     key = name.strip().lower()
-    if key == "tiny":
+    if key == "tiny" or key in SHAPE_CONFIGS:
         return key
     key = key.removeprefix("qwen2.5-")
     if key not in SIZES:
-        raise ValueError(f"unknown model {name!r}; known: tiny, {', '.join(SIZES)} (or qwen2.5-SIZE)")
+        raise ValueError(f"unknown model {name!r}; known: tiny, {', '.join(SIZES)} (or qwen2.5-SIZE), "
+                         f"{', '.join(SHAPE_CONFIGS)}")
     return f"qwen2.5-{key}"
 
 

@@ -25,9 +25,8 @@ from ...options import resolve_device
 from ...stats import stats
 from ..h2d import copy_seconds
 from ..profiling import profile_step
-from ..tiny import qwen25_config, tiny_config
+from ..tiny import SHAPE_CONFIGS, lora_targets, qwen25_config, shape_config, tiny_config
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 def measure_pinned_h2d(device: str | torch.device = "cuda", mib: int = 512, reps: int = 5) -> float:
     """Pinned host-to-device copy bandwidth in GB/s (median of ``reps`` copies of ``mib`` MiB)."""
@@ -67,6 +66,8 @@ def _free(device: torch.device) -> None:
 
 def build_config(model: str) -> Any:
 
+    if model in SHAPE_CONFIGS:
+        return shape_config(model)
     return tiny_config("qwen2", layers=2) if model == "tiny" else qwen25_config(model.removeprefix("qwen2.5-"))
 
 
@@ -81,7 +82,8 @@ class ModelHolder:
         self.device = device
         self.config = build_config(name)
         torch.manual_seed(seed)  # the LoRA A init
-        lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=list(LORA_TARGETS))
+        # every linear of a decoder layer: the seven projections (Qwen3.5 also its Gated DeltaNet's five)
+        lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=lora_targets(self.config.model_type))
         self.model = from_config(self.config, "nf4", device=device, seed=seed, lora=lora, block_size=1,
                                  progress=False)
         self.state: State = "prepared"
