@@ -101,7 +101,9 @@ def _write_shards(state: dict[str, torch.Tensor], folder: Path) -> int:
     weight_map = {}
     for i, names in enumerate(groups, 1):
         file = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: state[n].detach().contiguous() for n in names}, str(folder / file), metadata={"format": "pt"})
+        # a copy of each: the state's tensors are views of the store's one host arena, and safetensors refuses
+        # tensors that share storage (the copies are one shard at a time)
+        save_file({n: state[n].detach().clone() for n in names}, str(folder / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
     total = sum(t.numel() * t.element_size() for t in state.values())
     (folder / "model.safetensors.index.json").write_text(
