@@ -138,6 +138,15 @@ def test_unsloth_rows_run_in_their_own_process_or_skip(tmp_path, monkeypatch):
     md = (tmp_path / "bench.md").read_text()
     assert "| tiny | unsloth_offload | - | 32 | 1 |" in md and "| tiny | peft_resident | - | 32 | 1 |" in md
 
+    # a checkpoint that cannot be written fails its row, not the run
+    (tmp_path / "not-a-folder").write_text("")
+    config = bench.make_config(models="tiny", methods="unsloth_resident,peft_resident", seqs="32", accums="1", steps=1,
+                               warmup=1, device="cpu", json_path=tmp_path / "b2.json",
+                               checkpoints=tmp_path / "not-a-folder")
+    rows = {r["method"]: r for r in bench.run(config, log=lambda s: None)["rows"]}
+    assert rows["unsloth_resident"]["error"].startswith(("NotADirectoryError", "FileExistsError"))
+    assert rows["peft_resident"]["error"] is None
+
     # the worker alone, without the stand-in on its path: the skipped row is the worker's own answer too
     monkeypatch.setenv("PYTHONPATH", "")
     out = tmp_path / "row.json"

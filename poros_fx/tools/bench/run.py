@@ -296,7 +296,11 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
         row_started = time.perf_counter()
         method = methods[spec.method]
         if method.own_process:  # Unsloth: a checkpoint and a process of its own, not the shared model
-            row = unsloth.measure(_empty_row(spec), spec, config, build_config(spec.model), log)
+            row = _empty_row(spec)
+            try:
+                unsloth.measure(row, spec, config, build_config(spec.model), log)
+            except Exception as e:  # noqa: BLE001 - the checkpoint could not be written (disk, memory): the run goes on
+                row["error"] = _error(e)
             row["wall_s"] = round(time.perf_counter() - row_started, 1)
             log(_describe(row))
             upsert(doc, row)
