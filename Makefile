@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test test-gpu clean
+.PHONY: setup demo test test-gpu bench-cpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ test: setup
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
+
+# the host's cost per step on the CPU (benchmarks/, never in `make test`): numbers into docs/bench/cpu/
+bench-cpu: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider benchmarks --benchmark-json docs/bench/cpu/host_cost.json
+	$(BIN)/python benchmarks/report.py docs/bench/cpu/host_cost.json docs/bench/cpu/host_cost.md
 
 clean:
 	rm -rf $(VENV) .ci-venv poros-demo-adapter

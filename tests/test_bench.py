@@ -104,8 +104,8 @@ def test_ratio_is_against_the_same_runs_baseline_or_marked():
     assert [r.get("ratio_cross_run", False) for r in rows] == [False, False, True, False]
     md = bench.markdown({"env": {"runs": [{"command": "a"}, {"command": "b"}, {"command": "c"}]}, "rows": rows})
     assert "    [3] c" in md
-    assert "| m | poros | 2 | 512 | 1 | 2.000 | - | - | - | - | 4.00* | 1 |  |" in md
-    assert "| m | poros | 1 | 512 | 1 | 1.000 | - | - | - | - | 2.00 | 3 |  |" in md
+    assert "| m | poros | 2 | 512 | 1 | 2.000 | - | - | - | - | - | - | 4.00* | 1 |  |" in md
+    assert "| m | poros | 1 | 512 | 1 | 1.000 | - | - | - | - | - | - | 2.00 | 3 |  |" in md
 
 
 def test_time_budget_stops_before_new_rows(tmp_path):
@@ -141,3 +141,21 @@ def test_no_gpu_exits_2():
     res = cli("bench", check=False, timeout=300)
     assert res.returncode == 2
     assert "needs a CUDA GPU; use --device cpu --models tiny for a smoke run" in res.stdout + res.stderr
+
+
+def test_compile_warm_runs_the_row_again_in_a_second_process(tmp_path, monkeypatch):
+    """--compile-warm: the row's first step in a fresh Inductor cache (cold), then the same row in a second
+    process with that cache (warm); both in the JSON and the markdown. (Inductor's cache hits across
+    processes: tests/test_compile_cache.py.)"""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the second process imports this checkout
+    doc = _run(tmp_path, methods="peft_resident,poros_eager", compile_warm=True)
+    rows = _rows(doc)
+    row = rows[("poros_eager", 1, 32, 1)]
+    assert row["error"] is None and row["warm_process"]["error"] is None
+    assert row["first_step_cold_s"] == row["first_step_s"] and row["compile_cold_s"] == row["compile_s"]
+    assert row["first_step_warm_s"] > 0 and row["compile_warm_s"] is not None
+    assert row["warm_process"]["s_per_step"] > 0 and "compile_cache" in row
+    assert "first_step_warm_s" not in rows[("peft_resident", None, 32, 1)]  # not compiled: one process
+    md = (tmp_path / "bench.md").read_text()
+    assert f"| {row['first_step_warm_s']:.1f} / {row['compile_warm_s']:.1f} |" in md and "--compile-warm" in md

@@ -15,7 +15,12 @@ prefetch "auto" and the device's codegen), ``poros_eager`` / ``poros_inductor`` 
 (``options={"block_major": False}``: accumulated micro-batches one after the other; every other poros
 method runs an accumulation row block-major, ``runtime/accumulate.py``) and, opt-in, ``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor
 instead of per block) and ``poros_prefetch1`` (``options={"prefetch": 1}``: the fixed depth that was the
-default before "auto"). Models: random-init
+default before "auto"). The peer, Unsloth (``unsloth.py``): ``unsloth_resident``
+(``get_peft_model(use_gradient_checkpointing=False)``), ``unsloth_checkpointing`` (``"unsloth"``: activations
+to host memory) and ``unsloth_offload`` (``from_pretrained(offload_layers=N)``, every decoder layer unless
+``--unsloth-offload-layers``), each in a process of its own (``unsloth_worker.py``, ``import unsloth``
+before transformers) on a checkpoint of the same random-init weights written once under ``--checkpoints``;
+without Unsloth the row says "skipped: unsloth not importable". Models: random-init
 Qwen2.5 shapes (0.5b/7b/32b/72b), or ``tiny`` (a 2-layer qwen2 config, for CPU runs). Recipe: LoRA
 r16 alpha 32 dropout 0.05 on all seven projections, AdamW, batch 1; one row per (seq, accum) pair of
 the grid (``star``: the first seq and accum, plus each other seq at the first accum and each other
@@ -45,13 +50,17 @@ goes on. Results merge into an existing JSON (same model/method/block_size/seq/a
 several device calls build one matrix. The JSON, the markdown table and the PNG plot are rewritten
 after every row, so a call killed at its time limit keeps every row it finished; ``--time-budget``
 stops starting rows once exceeded (the one in flight finishes) and says so in the JSON and markdown.
+``--compile-warm`` (``warm.py``): each compiled row runs in a fresh Inductor cache (``first_step_cold_s``,
+``compile_cold_s``), then the bench runs it again in a second process on that cache
+(``first_step_warm_s``, ``compile_warm_s``).
 
 On the lent H200 run it as ``python3 -m poros_fx.tools.bench`` (the machine may lack typer, which only the
 ``poros-fx`` script needs); put the previous call's JSON at the ``--json`` path to extend it.
 
 Modules: ``methods`` (what a row runs), ``config`` (the command line's choices, the rows planned),
-``run`` (building the model, measuring a row, the run loop), ``report`` (JSON merging, markdown,
-plot), ``cli`` (``python -m poros_fx.tools.bench``).
+``run`` (building the model, measuring a row, the run loop), ``unsloth`` / ``unsloth_worker`` (the
+peer's rows), ``warm`` (compile cold and warm), ``report`` (JSON merging, markdown, plot), ``cli``
+(``python -m poros_fx.tools.bench``).
 """
 
 from .config import (DEFAULT_ACCUMS, DEFAULT_BLOCK_SIZES, DEFAULT_METHODS, DEFAULT_MODELS, DEFAULT_SEQS, MODEL_ORDER,

@@ -9,8 +9,8 @@ from typing import Sequence
 
 import torch
 
-from .config import (DEFAULT_ACCUMS, DEFAULT_BLOCK_SIZES, DEFAULT_METHODS, DEFAULT_MODELS, DEFAULT_SEQS,
-                     NO_CUDA_MESSAGE, make_config)
+from .config import (DEFAULT_ACCUMS, DEFAULT_BLOCK_SIZES, DEFAULT_CHECKPOINTS, DEFAULT_METHODS, DEFAULT_MODELS,
+                     DEFAULT_SEQS, NO_CUDA_MESSAGE, make_config)
 from .methods import METHODS
 from .run import run
 
@@ -38,6 +38,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", default=None, help="poros_budget's memory_budget (e.g. 24GB)")
     p.add_argument("--compiled-resident", action="store_true",
                    help="add compiled_resident (plain torch.compile/Inductor; 0.5B and 7B only)")
+    p.add_argument("--checkpoints", default=DEFAULT_CHECKPOINTS, metavar="DIR",
+                   help="unsloth_*: the random-init checkpoint of each model is written (once) under DIR")
+    p.add_argument("--unsloth-offload-layers", type=int, default=None, metavar="N",
+                   help="unsloth_offload: decoder layers Unsloth swaps from host memory (default: all)")
+    p.add_argument("--compile-warm", action="store_true",
+                   help="compiled rows: compile_s cold (a fresh Inductor cache) and warm (a second process, same cache)")
     return p
 
 
@@ -54,6 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              device=args.device, json_path=args.json, md_path=args.md, plot_path=args.plot,
                              time_budget=args.time_budget, compiled_resident=args.compiled_resident,
                              profile_dir=args.profile, memory_budget=args.memory_budget,
+                             checkpoints=args.checkpoints, unsloth_offload_layers=args.unsloth_offload_layers,
+                             compile_warm=args.compile_warm,
                              command=shlex.join(["python", "-m", "poros_fx.tools.bench", *argv]))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ DEFAULT_BLOCK_SIZES = "1,2,4"
 DEFAULT_SEQS = "512,2048"
 DEFAULT_ACCUMS = "1,4"
 ROW_KEY = ("model", "method", "block_size", "seq", "accum")
+DEFAULT_CHECKPOINTS = "/tmp/poros-bench-checkpoints"  # the Unsloth rows' checkpoints (the device's disk)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,9 @@ class BenchConfig:
     seed: int = 0
     command: str = ""  # the command line, for the markdown
     memory_budget: str | None = None  # poros_budget's options={"memory_budget": ...}
+    checkpoints: Path = Path(DEFAULT_CHECKPOINTS)  # unsloth_*: one checkpoint folder per model under it
+    unsloth_offload_layers: int | None = None  # unsloth_offload: layers swapped (None: every decoder layer)
+    compile_warm: bool = False  # compiled rows: cold in a fresh Inductor cache, then warm in a second process
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -74,7 +78,9 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                 json_path: str | Path = "poros-bench.json", md_path: str | Path | None = None,
                 plot_path: str | Path | None = None, time_budget: float | None = None,
                 compiled_resident: bool = False, profile_dir: str | Path | None = None, command: str = "",
-                memory_budget: str | None = None, known_methods: Mapping[str, Method] = METHODS) -> BenchConfig:
+                memory_budget: str | None = None, checkpoints: str | Path = DEFAULT_CHECKPOINTS,
+                unsloth_offload_layers: int | None = None, compile_warm: bool = False,
+                known_methods: Mapping[str, Method] = METHODS) -> BenchConfig:
     """A checked ``BenchConfig`` from the command-line strings (shared by the CLI and ``main``)."""
     method_names = tuple(m.strip() for m in methods.split(",") if m.strip())
     if compiled_resident and "compiled_resident" not in method_names:
@@ -96,6 +102,8 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
             parse_size(memory_budget)
         except PorosConfigError as e:
             raise ValueError(str(e)) from None
+    if unsloth_offload_layers is not None and unsloth_offload_layers < 1:
+        raise ValueError(f"--unsloth-offload-layers must be >= 1, got {unsloth_offload_layers}")
     json_path = Path(json_path)
     return BenchConfig(models=tuple(model_name(m) for m in models.split(",") if m.strip()), methods=method_names,
                        block_sizes=_ints(block_sizes, "block-sizes"), seqs=_ints(seqs, "seqs"),
@@ -103,7 +111,8 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                        device=device, json_path=json_path, md_path=Path(md_path) if md_path else None,
                        plot_path=Path(plot_path) if plot_path else None, time_budget=time_budget,
                        compiled_resident=compiled_resident, profile_dir=Path(profile_dir) if profile_dir else None,
-                       command=command, memory_budget=memory_budget)
+                       command=command, memory_budget=memory_budget, checkpoints=Path(checkpoints),
+                       unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm)
 
 
 def shapes(config: BenchConfig) -> list[tuple[int, int]]:

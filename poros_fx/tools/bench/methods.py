@@ -46,6 +46,7 @@ class Method:
     per_block_size: bool = False  # one row per --block-sizes value
     models: tuple[str, ...] | None = None  # only these models (None: all)
     budget: bool = False  # setup also takes memory_budget= (the run's --memory-budget)
+    own_process: bool = False  # measured in a process of its own on a checkpoint (unsloth.py), not on the model
 
 
 def _peft_resident(model: nn.Module, block_size: int | None) -> Runner:
@@ -151,6 +152,10 @@ def _poros_budget(model: nn.Module, block_size: int | None, memory_budget: str |
     return Runner(runner.forward, teardown=teardown, micro_batches=runner.micro_batches)
 
 
+def _own_process(model: nn.Module, block_size: int | None) -> Runner:
+    raise RuntimeError("an own-process method is measured by tools/bench/unsloth.py, never set up on the shared model")
+
+
 def _poros_resident(model: nn.Module, block_size: int | None) -> Runner:
     return Runner(torch.compile(model, backend="poros", options={"stream": False}), teardown=_poros_teardown(model))
 
@@ -186,4 +191,9 @@ METHODS: Mapping[str, Method] = types.MappingProxyType({
     # the runtime before a block became one copy: one copy and allocation per tensor (opt-in, for A/B runs)
     "poros_tensor_copies": Method("poros_tensor_copies", "prepared", _poros_tensor_copies, compiled=True,
                                   streams=True, per_block_size=True),
+    # the peer, each in a process of its own on a checkpoint of the same weights (unsloth.py, unsloth_worker.py)
+    "unsloth_resident": Method("unsloth_resident", "resident", _own_process, compiled=True, own_process=True),
+    "unsloth_checkpointing": Method("unsloth_checkpointing", "resident", _own_process, compiled=True,
+                                    own_process=True),
+    "unsloth_offload": Method("unsloth_offload", "resident", _own_process, compiled=True, own_process=True),
 })

@@ -106,6 +106,23 @@ def _sigfmt(x: Any) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+UNSLOTH_NOTE = ("unsloth_* rows: Unsloth in a process of its own on a checkpoint of the same random-init weights "
+                "(bf16 up to 7B, quantized to NF4 on load; pre-quantized NF4 from 32B on), LoRA r16 alpha 32 dropout 0 "
+                "(Unsloth's fast path; our rows use 0.05) on the seven projections, the same batches, AdamW and timing; "
+                "resident: use_gradient_checkpointing=False; checkpointing: \"unsloth\" (activations to host); "
+                "offload: from_pretrained(offload_layers=every decoder layer) with \"unsloth\" checkpointing. "
+                "Peak: from get_peft_model to the last step.")
+WARM_NOTE = ("first step s / compile s: with --compile-warm, cold (the bench's process, a fresh Inductor cache); "
+             "warm: the same row in a second process with that cache (first step / compile s).")
+
+
+def _warm(row: dict[str, Any]) -> str:
+    if row.get("first_step_warm_s") is not None:
+        return f"{row['first_step_warm_s']:.1f} / {_fmt(row.get('compile_warm_s'), 1)}"
+    error = (row.get("warm_process") or {}).get("error")
+    return f"failed: {error}".replace("|", "/") if error else "-"
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The matrix as a markdown table, with the environment and the command lines that built it."""
     env = doc["env"]
@@ -123,16 +140,20 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += [f"    [{i}] {run_env.get('command') or '?'}" for i, run_env in enumerate(runs, 1)] + [""]
     lines += [f"Run {i} stopped early: {run_env['stopped']}" for i, run_env in enumerate(runs, 1)
               if run_env.get("stopped")]
-    header = ("| model | method | block | seq | accum | s/step | peak GB | H2D GB/s | floor s | compile s | ratio | run "
-              "| error |")
+    if any(r["method"].startswith("unsloth_") for r in doc["rows"]):
+        lines += ["", UNSLOTH_NOTE]
+    if any(r.get("first_step_warm_s") is not None or r.get("warm_process") for r in doc["rows"]):
+        lines += ["", WARM_NOTE]
+    header = ("| model | method | block | seq | accum | s/step | peak GB | H2D GB/s | floor s | first step s | compile s "
+              "| warm: first / compile s | ratio | run | error |")
     lines += ["", header, "|---" * (header.count("|") - 1) + "|"]
     for r in doc["rows"]:
         error = (r.get("error") or "").replace("|", "/")
         ratio = _fmt(r["ratio_vs_peft_resident"], 2) + ("*" if r.get("ratio_cross_run") else "")
         lines.append(f"| {r['model']} | {r['method']} | {r['block_size'] or '-'} | {r['seq']} | {r['accum']} | "
                      f"{_fmt(r['s_per_step'], 3)} | {_fmt(r['peak_gb'], 2)} | {_sigfmt(r['h2d_gbps'])} | "
-                     f"{_fmt(r['floor_s'], 3)} | {_fmt(r['compile_s'], 1)} | {ratio} | {r.get('run') or '-'} | "
-                     f"{error} |")
+                     f"{_fmt(r['floor_s'], 3)} | {_fmt(r.get('first_step_s'), 1)} | {_fmt(r['compile_s'], 1)} | "
+                     f"{_warm(r)} | {ratio} | {r.get('run') or '-'} | {error} |")
     return "\n".join(lines) + "\n"
 
 

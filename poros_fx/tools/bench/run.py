@@ -4,18 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch._dynamo.utils import counters
 
 from .config import ROW_KEY, BenchConfig, RowSpec, plan
 from .methods import METHODS, Method, State
 from .report import _label, load, md_path, plot_path, save, start_run, upsert
+from . import unsloth
+from .warm import add_warm, cold_cache
 from ...io.loader import estimate_host_bytes
 from ...io.loader import from_config
 from ...io.sizes import block_bytes
@@ -166,7 +171,10 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
             row["loss"] = float(total)
             return seconds
 
+        cache_before = compile_cache_counters()
         first = step()
+        row["compile_cache"] = {k: v - cache_before.get(k, 0) for k, v in compile_cache_counters().items()
+                                if v != cache_before.get(k, 0)}  # hits and misses of the first step's compiles
         for _ in range(config.warmup - 1):
             step()
         if method.streams:
@@ -223,6 +231,12 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
     return row
 
 
+def compile_cache_counters() -> dict[str, int]:
+    """Dynamo's counters of Inductor's FX graph cache and AOTAutograd's cache (hits, misses, bypasses)."""
+    return {**{k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")},
+            **{k: v for k, v in counters["aot_autograd"].items() if k.startswith("autograd_cache")}}
+
+
 class GcTimer:
     """Time spent in Python's garbage collector while the context is open, and collections per generation."""
 
@@ -273,6 +287,7 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
     save(doc, config)
     holder: ModelHolder | None = None
     build_error: str | None = None
+    cache_root = Path(tempfile.mkdtemp(prefix="poros-bench-inductor-")) if config.compile_warm else None
     for i, spec in enumerate(specs):
         if config.time_budget is not None and time.perf_counter() - started > config.time_budget:
             stopped = (f"time budget of {config.time_budget:g} s exceeded after {i} of {len(specs)} row(s); not run: "
@@ -281,6 +296,18 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
             log(f"stopped: {stopped}")
             break
         row_started = time.perf_counter()
+        method = methods[spec.method]
+        if method.own_process:  # Unsloth: a checkpoint and a process of its own, not the shared model
+            row = _empty_row(spec)
+            try:
+                unsloth.measure(row, spec, config, build_config(spec.model), log)
+            except Exception as e:  # noqa: BLE001 - the checkpoint could not be written (disk, memory): the run goes on
+                row["error"] = _error(e)
+            row["wall_s"] = round(time.perf_counter() - row_started, 1)
+            log(_describe(row))
+            upsert(doc, row)
+            save(doc, config)
+            continue
         if holder is None or holder.name != spec.model:
             holder = None
             _free(device)
@@ -299,19 +326,26 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
         if holder is None:
             row["error"] = build_error
         else:
+            warm = config.compile_warm and method.compiled
             try:
-                row = run_row(holder, methods[spec.method], spec, config, env["pinned_h2d_gbps"],
-                              estimate_host_bytes(holder.config, "nf4"), sum(block_bytes(holder.config, "nf4")[1]))
+                with cold_cache(cache_root) if warm else contextlib.nullcontext() as cache:
+                    row = run_row(holder, method, spec, config, env["pinned_h2d_gbps"],
+                                  estimate_host_bytes(holder.config, "nf4"), sum(block_bytes(holder.config, "nf4")[1]))
             except Exception as e:  # noqa: BLE001 - OOM or any failure: record it and go on
                 row["error"] = _error(e)
             # freed here, after the except block: until then the traceback keeps the failed step's tensors
             _free(device)
+            if warm and not row["error"]:
+                log(f"  warm: a second process on {cache}")
+                add_warm(row, spec, config, cache)
         row["wall_s"] = round(time.perf_counter() - row_started, 1)  # device time a row costs, for planning
         log(_describe(row))
         upsert(doc, row)
         save(doc, config)
     holder = None
     _free(device)
+    if cache_root is not None:
+        shutil.rmtree(cache_root, ignore_errors=True)
     save(doc, config)
     log(f"wrote {config.json_path}, {md_path(config)}, {plot_path(config)} "
         f"({time.perf_counter() - started:.0f} s)")
@@ -330,5 +364,7 @@ def _describe(row: dict[str, Any]) -> str:
         parts.append(f"H2D {row['h2d_gbps']:.4g} GB/s")
     if row["compile_s"] is not None:
         parts.append(f"compile {row['compile_s']:.1f} s")
+    if row.get("compile_warm_s") is not None:
+        parts.append(f"warm {row['compile_warm_s']:.1f} s")
     return f"  {_label(spec)}: " + ", ".join(parts)
 
