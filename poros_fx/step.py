@@ -70,23 +70,10 @@ class PorosStep(Generic[P, R]):
                  chunked_loss: bool | None = None, offload_boundaries: bool | None = None) -> None:
         if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
             raise PorosConfigError(f"accumulate must be an integer >= 1 (micro-batches per call), got {accumulate!r}")
-        options: dict[str, Any] = {"stream": stream}
-        if block_size is not None:
-            options["block_size"] = block_size
-        if prefetch is not None:
-            options["prefetch"] = prefetch
-        if dump is not None:
-            options["dump"] = dump
-        if codegen is not None:
-            options["codegen"] = codegen
-        if memory_budget is not None:
-            options["memory_budget"] = memory_budget
-        if block_major is not None:
-            options["block_major"] = block_major
-        if chunked_loss is not None:
-            options["chunked_loss"] = chunked_loss
-        if offload_boundaries is not None:
-            options["offload_boundaries"] = offload_boundaries
+        given = {"block_size": block_size, "prefetch": prefetch, "dump": dump, "codegen": codegen,
+                 "memory_budget": memory_budget, "block_major": block_major, "chunked_loss": chunked_loss,
+                 "offload_boundaries": offload_boundaries}
+        options: dict[str, Any] = {"stream": stream, **{k: v for k, v in given.items() if v is not None}}
         PorosOptions.from_dict(options)  # bad options raise here, at decoration, not at the first step
         functools.update_wrapper(self, fn)
         self.fn = fn

@@ -11,7 +11,7 @@ import torch
 
 import poros_fx
 from poros_fx.prepare import get_store
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
+from poros_fx.tools.parity import SURFACES, compare, format_diffs, mode_toggles, train
 from poros_fx.tools.tiny import lora_model, tiny_config
 
 pytestmark = pytest.mark.gpu
@@ -59,28 +59,8 @@ def test_gpu_every_length_one_compile(nf4, codegen, deterministic):
 
 
 def _toggles(model, step_model) -> list[torch.Tensor]:
-    params = [p for p in model.parameters() if p.requires_grad]
     batches = _batches((128, 96, 128, 64, 150), seed=3)
-    out: list[torch.Tensor] = []
-    torch.manual_seed(7)
-
-    def step(batch, backward: bool = True):
-        loss = step_model(**batch, use_cache=False).loss
-        out.append(loss.detach())
-        if backward:
-            loss.backward()
-            out.extend(p.grad.clone() for p in params if p.grad is not None)
-            model.zero_grad(set_to_none=True)
-
-    model.train()
-    step(batches[0])
-    model.eval()
-    step(batches[1])
-    with torch.no_grad():
-        step(batches[2], backward=False)
-    model.train()
-    with model.disable_adapter():
-        step(batches[3], backward=False)
+    out, step = mode_toggles(model, step_model, batches)
     step(batches[4])
     return out
 

@@ -15,7 +15,7 @@ import torch
 
 import poros_fx
 from poros_fx.prepare import get_store
-from poros_fx.tools.parity import SURFACES, adamw, compare, format_diffs, train
+from poros_fx.tools.parity import SURFACES, adamw, compare, format_diffs, mode_toggles, train
 from poros_fx.tools.tiny import tiny_lora_model
 
 EQUAL = {s: 0.0 for s in SURFACES}
@@ -96,28 +96,8 @@ def _toggles(model, step_model) -> list[torch.Tensor]:
     """Losses and gradients of a loop that switches mode between steps: train, eval with grad (a loss
     computed in eval mode, with its backward), eval under no_grad, the adapter switched off, a second
     adapter, train again."""
-    params = [p for p in model.parameters() if p.requires_grad]
     batches = batches_of([(2, 16), (2, 21), (2, 16), (2, 12), (2, 16), (2, 18)], seed=5)
-    out: list[torch.Tensor] = []
-    torch.manual_seed(7)
-
-    def step(batch, backward: bool = True):
-        loss = step_model(**batch, use_cache=False).loss
-        out.append(loss.detach())
-        if backward:
-            loss.backward()
-            out.extend(p.grad.clone() for p in params if p.grad is not None)
-            model.zero_grad(set_to_none=True)
-
-    model.train()
-    step(batches[0])
-    model.eval()
-    step(batches[1])
-    with torch.no_grad():
-        step(batches[2], backward=False)
-    model.train()
-    with model.disable_adapter():
-        step(batches[3], backward=False)
+    out, step = mode_toggles(model, step_model, batches)
     model.set_adapter("second")
     step(batches[4])
     model.set_adapter("default")

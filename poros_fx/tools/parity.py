@@ -103,5 +103,34 @@ def compare(a: Trace, b: Trace) -> dict[str, float]:
     }
 
 
+def mode_toggles(model: nn.Module, step_model: Callable, batches: Sequence[dict]
+                 ) -> tuple[list[torch.Tensor], Callable[..., None]]:
+    """A user's mode changes over ``batches[:4]``: a training step, eval with grad, eval under
+    ``no_grad``, the adapter switched off; returns the losses and gradients recorded (in order) and the
+    ``step(batch, backward=True)`` that recorded them, for the caller to go on."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out: list[torch.Tensor] = []
+    torch.manual_seed(7)
+
+    def step(batch: dict, backward: bool = True) -> None:
+        loss = step_model(**batch, use_cache=False).loss
+        out.append(loss.detach())
+        if backward:
+            loss.backward()
+            out.extend(p.grad.clone() for p in params if p.grad is not None)
+            model.zero_grad(set_to_none=True)
+
+    model.train()
+    step(batches[0])
+    model.eval()
+    step(batches[1])
+    with torch.no_grad():
+        step(batches[2], backward=False)
+    model.train()
+    with model.disable_adapter():
+        step(batches[3], backward=False)
+    return out, step
+
+
 def format_diffs(label: str, diffs: dict[str, float]) -> str:
     return f"{label:<28} " + "  ".join(f"{k}={v:.2e}" for k, v in diffs.items())
