@@ -1,7 +1,7 @@
 """GPU parity for Qwen3.5 and Gemma 4 (``pytest -m gpu tests/test_gpu_families.py``; skipped without CUDA).
 
 Four layers of each family at a small width on the H200, deterministic algorithms on: streamed ==
-``stream=False`` on every surface over 20 optimizer steps (LoRA dropout 0.1, accumulation 2 block-major,
+``stream=False`` on every surface over 20 optimizer steps (``POROS_FX_GPU_STEPS``) (LoRA dropout 0.1, accumulation 2 block-major,
 NF4 and bf16 bases, both codegens), and with ``codegen="eager"`` also == the plain eager PEFT loop. Qwen3.5 runs
 whichever Gated DeltaNet path transformers picks (``poros-fx doctor`` says which); Gemma 4 runs once
 with every option (per-layer inputs, KV sharing, keys equal to values, double-wide MLP, MoE) and once
@@ -24,7 +24,8 @@ from poros_fx.tools.tiny import demo_batches, gemma4_options, lora_model, tiny_c
 
 pytestmark = pytest.mark.gpu
 
-STEPS, ACCUMULATE = 20, 2
+# POROS_FX_GPU_STEPS shortens a run of the whole matrix on a time-limited device
+STEPS, ACCUMULATE = int(os.environ.get("POROS_FX_GPU_STEPS", 20)), 2
 CASES = {
     "qwen3_5": ("qwen3_5_text", {}),
     "gemma4_all": ("gemma4_text", gemma4_options()),
