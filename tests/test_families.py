@@ -145,6 +145,22 @@ def test_new_family_nf4_and_bf16_bases(family, base):
     assert diffs == ZERO, format_diffs(f"{family} {base} streamed vs stream=False", diffs)
 
 
+def test_gemma4_inductor_regions_take_their_keys_gradients_as_traced():
+    """Gemma 4's layers hand their keys and values on as region outputs, transposed views; the regions'
+    backward was traced with their gradients contiguous (AOTAutograd's choice), and Inductor's code
+    asserts it (it crashed on the H200 before the region read its tangents' layout off the trace).
+    Inductor codegen, block-major: streamed == stream=False."""
+    def run(mode):
+        model = tiny_lora_model("gemma4_text", dtype=torch.float32, dropout=0.1, layers=2, attention_k_eq_v=True)
+        poros_fx.prepare(model, device="cpu", block_size=1, prefetch=1, codegen="inductor")
+        step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
+        batches = demo_batches(2 * ACCUMULATE, vocab=256, seq=16, batch=1, seed=7)
+        return train(model, step_model, batches, accumulate=ACCUMULATE, block_major=mode == "stream")
+
+    diffs = compare(run("stream"), run("resident"))
+    assert diffs == ZERO, format_diffs("gemma4_text inductor streamed vs stream=False", diffs)
+
+
 def test_new_family_configs_exercise_their_features():
     """What the parity cases above cover, read off the tiny models (no compile)."""
     qwen = tiny_lora_model("qwen3_5_text", layers=4).get_base_model()

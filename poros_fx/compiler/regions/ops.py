@@ -111,14 +111,14 @@ def _setup_context(ctx: Any, inputs: tuple, output: list[torch.Tensor]) -> None:
 def _backward(ctx: Any, grad_outputs: list[torch.Tensor | None]) -> tuple:
     table, index = ctx.region
     region = table_of(table).regions[index]
-    metas = region.output_meta(ctx.values)
+    metas = region.tangent_meta(ctx.values)
     tangents = []
     for i, g in enumerate(grad_outputs[:region.num_outputs]):
-        # its backward was traced with tangents laid out as the outputs are: contiguous (the hidden
-        # states), or as traced (a key written for later layers is a transposed view); decided from the
-        # region's expressions, so no size of the call is compared (no guard on a symbolic length)
+        # laid out as the backward's trace had them: contiguous (the hidden states; also a transposed key
+        # written for later layers, whose tangent AOTAutograd made contiguous), or as traced; decided
+        # from the region's expressions, so no size of the call is compared (no guard on a symbolic length)
         shape, stride, dtype, device = metas[i]
-        if region.contiguous_outputs[i]:
+        if region.contiguous_tangents[i]:
             tangents.append(g.contiguous() if g is not None else torch.zeros(shape, dtype=dtype, device=device))
             continue
         out = torch.empty_strided(shape, stride, dtype=dtype, device=device)

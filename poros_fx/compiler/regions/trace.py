@@ -134,13 +134,18 @@ class Region:
     # state the layer writes for later layers (``call.py``): (name, tensors) per entry; its tensors are
     # the outputs after the first, in this order
     writes: tuple[tuple[str, int], ...] = ()
+    # the outputs' gradients as the backward was traced with them (AOTAutograd may make a transposed
+    # output's tangent contiguous); empty: laid out as the outputs are
+    tangent_specs: list[TensorSpec] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:
         symbols = self.signature.symbols
         self._outputs = _meta_expressions(symbols, self.output_specs)
         self._gradients = _meta_expressions(self.backward_symbols, self.grad_specs)
-        # per output: laid out contiguously (its tangent is then made contiguous, as the trace's was)
-        self.contiguous_outputs = tuple(_contiguous(spec) for spec in self.output_specs[:self.num_outputs])
+        tangents = self.tangent_specs or self.output_specs[:self.num_outputs]
+        self._tangents = _meta_expressions(symbols, tangents)
+        # per output: its gradient handed to the backward contiguous (``.contiguous()``, no copy when it is)
+        self.contiguous_tangents = tuple(_contiguous(spec) for spec in tangents)
 
     @property
     def name(self) -> str:
@@ -149,6 +154,10 @@ class Region:
     def output_meta(self, values: Sequence[Any]) -> list[TensorMeta]:
         """Sizes, strides, dtypes and devices of the outputs, then the saved tensors, at ``values``."""
         return self._outputs(values)
+
+    def tangent_meta(self, values: Sequence[Any]) -> list[TensorMeta]:
+        """Sizes, strides, dtypes and devices the backward expects the outputs' gradients in, at ``values``."""
+        return self._tangents(values)
 
     def grad_meta(self, values: Sequence[Any]) -> list[TensorMeta]:
         """The gradients' metadata at ``values`` of ``backward_symbols``."""
@@ -435,6 +444,8 @@ def _region_from_partition(index: int, joint: fx.GraphModule, fw: fx.GraphModule
     bw.graph.lint()
     bw.recompile()
     output_specs = [TensorSpec.of(env, n.meta["val"]) for n in kept]
+    tangent_vals = [p.meta["val"] for p in placeholders if p.name.startswith("tangents")]
+    tangent_specs = [TensorSpec.of(env, t) for t in tangent_vals] if len(tangent_vals) == num_outputs else []
     grad_specs = [TensorSpec.of(env, grads[i].meta["val"]) for i in with_grad]
     _check_symbols(signature, [*output_specs, *grad_specs], size_exprs)
     # the symbols the backward needs, and where the backward op's inputs (the op inputs it needs, the
@@ -450,7 +461,7 @@ def _region_from_partition(index: int, joint: fx.GraphModule, fw: fx.GraphModule
                   backward_args=backward_args,
                   backward_sizes=Expressions(symbols, size_exprs) if size_exprs else None, backward_symbols=symbols,
                   backward_plan=plan, grad_inputs=tuple(sources[i] for i in with_grad),
-                  grad_specs=grad_specs, mode=mode,
+                  grad_specs=grad_specs, mode=mode, tangent_specs=tangent_specs,
                   trace_seconds=seconds)
 
 
