@@ -11,7 +11,12 @@ refused before the swap.
 torch's registration hooks are process-wide. One set of them, installed at the first ``prepare`` and
 kept, serves every prepared model through ``_FOLLOWERS`` (each model's ``LayerFollower``, held by its
 host store and gone with it): a set per model would change the number of global hooks, which Dynamo
-guards, and recompile every compiled model at each new ``prepare``.
+guards, and recompile every compiled model at each new ``prepare``. The hooks do nothing while Dynamo
+traces: a model's forward that slices its layers (``self.layers[:n]``, most of transformers' models)
+builds a ``ModuleList`` and calls them, and a hook that read ``_FOLLOWERS`` there would make Dynamo
+guard on how many models are prepared (a recompile between two micro-batches when another model is
+freed; a guard on the set's internals that failed to build). What a traced forward registers belongs
+to modules it made, not to an adapter attached to the model.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import nn
 
 from .compiler.regions import MERGE_ERROR
@@ -75,6 +81,8 @@ def follow(layers: Sequence[nn.Module], relist: Callable[[nn.Module], None]) -> 
 
 
 def _registered(module: nn.Module, name: str, value: Any, kind: str) -> None:
+    if torch.compiler.is_compiling():
+        return
     for follower in list(_FOLLOWERS):
         follower.registered(module, name, value, kind)
 

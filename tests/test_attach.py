@@ -106,6 +106,27 @@ def test_merge_and_unload_on_a_prepared_model_raises():
         model.merge_and_unload()
 
 
+def test_freeing_another_prepared_model_does_not_recompile_a_compiled_step():
+    """The registration hooks serve every prepared model; a forward that slices its layers
+    (``self.layers[:n]``) calls them while Dynamo traces. Freeing another prepared model between two
+    micro-batches must not change what the compiled step was guarded on (on the H200 it recompiled
+    micro-batch 1, and block-major accumulation raised)."""
+    import gc
+
+    model = attach(poros_fx.prepare(base(), device="cpu", codegen="eager"))
+    other = attach(poros_fx.prepare(base(), device="cpu", codegen="eager"))
+    step_model = torch.compile(model, backend="poros")
+    batches = demo_batches(2, vocab=256, seq=16, batch=1)
+    torch._dynamo.utils.counters.clear()
+    with poros_fx.block_major(model, batches):
+        for i, batch in enumerate(batches):
+            step_model(**batch, use_cache=False).loss.backward()
+            if i == 0:
+                del other
+                gc.collect()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def test_unprepare_removes_the_hooks():
     model = poros_fx.prepare(base(), device="cpu")
     poros_fx.unprepare(model)
