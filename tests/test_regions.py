@@ -150,6 +150,26 @@ def test_a_recompute_without_the_generator_state_is_caught(monkeypatch):
         assert diffs["grad_norms"] > 0, (codegen, format_diffs("fresh masks in the recompute", diffs))
 
 
+def test_models_of_one_structure_share_the_trace():
+    """A second live prepared model of the same structure (here the stream=False reference) takes the
+    first one's region instead of tracing it again: the same graphs, its own index and layers; a model
+    whose layers differ (another dropout rate) traces its own. Streamed == stream=False still."""
+    batches = demo_batches(2, seq=16)
+    models, traces = [], []
+    for stream, dropout in ((True, 0.1), (False, 0.1), (True, 0.2)):
+        torch._dynamo.reset()
+        model = tiny_lora_model("qwen2", layers=2, dropout=dropout)
+        poros_fx.prepare(model, device="cpu", codegen="eager")
+        traces.append(train(model, torch.compile(model, backend="poros", options={"stream": stream}), batches))
+        models.append(model)
+    (first,), (second,), (other,) = (get_store(m).regions.regions for m in models)
+    assert first.trace_seconds > 0 and second.trace_seconds == 0.0 and other.trace_seconds > 0
+    assert second.forward is first.forward and second.backward is first.backward and second.layers == [0, 1]
+    assert other.forward is not first.forward
+    diffs = compare(traces[0], traces[1])
+    assert diffs == ZERO, format_diffs("streamed vs stream=False sharing one trace", diffs)
+
+
 def test_inference_runs_the_forward_region():
     model = tiny_lora_model("qwen2", layers=2)
     reference = tiny_lora_model("qwen2", layers=2)

@@ -23,7 +23,7 @@ from ...errors import PorosConfigError
 
 # -- what makes two layers one region --------------------------------------------------------------------
 
-_SKIP_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "_poros_layer", "_poros_own", "_poros_hosts",
+_SKIP_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "_poros_layer", "_poros_own", "_poros_hosts", "_poros_table",
                          "_poros_block", "_poros_modules", "_poros_adapters", "_poros_writes",
                          # the layer's index: read only to index a KV cache, which a region never gets
                          "layer_idx"})
@@ -86,8 +86,21 @@ def fingerprint(layer: nn.Module, objects: dict[int, tuple[Any, Any]] | None = N
         attrs = tuple((k, _plain(v, memo, objects)) for k, v in sorted(vars(mod).items()) if k not in _SKIP_ATTRS)
         tensors = tuple((k, tuple(t.shape), t.dtype, t.requires_grad) for k, t in
                         (*mod._parameters.items(), *mod._buffers.items()) if t is not None)
-        parts.append((name, type(mod), attrs, tensors))
+        parts.append((name, _module_class(type(mod)), attrs, tensors))
     return tuple(parts)
+
+
+def _module_class(cls: type) -> Any:
+    """A module's class as far as a trace is concerned. ``prepare`` gives a decoder layer, and each
+    module owning frozen tensors, a class made for its model (``host_modules.poros_class``): described
+    by the class it was, the names it adds and the forward it sets, so two models' layers of one
+    structure have one fingerprint."""
+    own = vars(cls)
+    if "_poros_layer_class" in own:
+        return own["_poros_layer_class"]
+    if "_poros_original_class" not in own:
+        return cls
+    return (own["_poros_original_class"], tuple(sorted(k for k in own if not k.startswith("__"))), own.get("forward"))
 
 
 def state(layer: nn.Module) -> list[tuple[str, torch.Tensor]]:

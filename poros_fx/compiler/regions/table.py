@@ -4,7 +4,10 @@
 layer's fingerprint (``key.py``), the call string (with the layer's mode) and which inputs need a
 gradient pick the candidates; the first whose signature binds the call's tensors (``shapes.py``)
 is it. A call no region takes is traced now (``trace.py``), once per structure: layers of one
-structure share the region at every sequence length.
+structure share the region at every sequence length. Another live prepared model's region of the same
+structure and call is taken before tracing (a run and its ``stream=False`` reference in one process,
+two adapters on copies of one base): the trace and its compiled code are shared, the weights are
+each model's own inputs.
 
 Custom ops take tensors, ints and strings, not Python objects: ``poros::region`` names the table of
 its prepared model by a handle, resolved here (``table_of``); a table lives as long as its host
@@ -14,6 +17,7 @@ store.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import weakref
 from typing import Any, Sequence
@@ -96,9 +100,12 @@ class RegionTable:
             if values is not None:
                 self._used_by(region, layer)
                 return region, values
-        check_ddp_optimizer()  # under it, the trace's own frames fail to compile
-        with quiet_compile_events():
-            region = trace_region(self.layers[layer], call, grads, [meta_of(t) for t in inputs], index=len(self.regions))
+        region = reused = self._from_another_model(key, inputs)
+        if region is None:
+            check_ddp_optimizer()  # under it, the trace's own frames fail to compile
+            with quiet_compile_events():
+                region = trace_region(self.layers[layer], call, grads, [meta_of(t) for t in inputs],
+                                      index=len(self.regions))
         values = region.signature.bind(inputs)
         if values is None:
             raise AssertionError(f"poros: region {region.name} does not take the call it was traced for "
@@ -113,12 +120,34 @@ class RegionTable:
         if self._memo[0] is not None:
             self._memo[1][layer] = after
         self._used_by(region, layer)
-        logger.info("poros: traced region %s (layer %d: forward %d nodes, backward %d nodes, %d saved; %s) in %.1f s",
-                    region.name, layer, len(region.forward.graph.nodes),
-                    len(region.backward.graph.nodes) if region.backward is not None else 0,
-                    len(region.output_specs) - region.num_outputs,
-                    "every sequence length" if region.signature.dynamic else "these sizes only", region.trace_seconds)
+        if reused is None:
+            logger.info("poros: traced region %s (layer %d: forward %d nodes, backward %d nodes, %d saved; %s) in %.1f s",
+                        region.name, layer, len(region.forward.graph.nodes),
+                        len(region.backward.graph.nodes) if region.backward is not None else 0,
+                        len(region.output_specs) - region.num_outputs,
+                        "every sequence length" if region.signature.dynamic else "these sizes only",
+                        region.trace_seconds)
         return region, values
+
+    def _from_another_model(self, key: tuple, inputs: Sequence[Any]) -> Region | None:
+        """A region another live prepared model traced for a layer of this structure and this call, as
+        this table's: a trace depends on the layer's fingerprint, the call and its inputs' metadata, not
+        on the weights (inputs), so two model copies in one process (a run and its reference) trace
+        each structure once. The copy shares the graphs and the compiled code; only regions the other
+        model's compile has lowered (``passes/lower_regions.py``) are taken."""
+        number = key[0]
+        full = next(f for f, n in self.fingerprints.items() if n == number)
+        for other in list(_TABLES.values()):
+            found = other.fingerprints.get(full) if other is not self else None
+            if found is None:
+                continue
+            for region in other.by_key.get((found, *key[1:]), ()):
+                if region.lowered and region.signature.bind(inputs) is not None:
+                    logger.info("poros: region %s of another prepared model takes this call: its trace and "
+                                "compiled code serve this model too", region.name)
+                    return dataclasses.replace(region, index=len(self.regions), layers=[], trace_seconds=0.0,
+                                               compile_seconds={})
+        return None
 
     def _file(self, key: Any, region: Region) -> None:
         found = self.by_key.setdefault(key, [])
