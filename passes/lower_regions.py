@@ -60,13 +60,13 @@ def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
             region, values = table.region(layer, call, grads, [_val(x) for x in inputs])
         else:
             region = table.regions[op_args[2]]
-        if not region.lowered:
+        if schedule.codegen not in region.lowered:  # idempotent passes: a second codegen adds its part
             for graph in (region.forward, region.backward):
                 if graph is not None:
                     for region_pass in schedule.region_passes:
                         region_pass(graph, schedule)
                     graph.recompile()
-            region.lowered = True
+            region.lowered.add(schedule.codegen)
         compile_for(region, schedule.codegen)
         forward, backward = runners(region, schedule.codegen)
         runner = forward if op is REGION else backward

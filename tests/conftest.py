@@ -4,6 +4,8 @@ import warnings
 import pytest
 import torch
 
+from poros_fx.compiler.regions import table as region_tables
+
 # deterministic CPU kernels and a quiet log; tests build tiny models and never touch a hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
@@ -23,6 +25,28 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(scope="session")
+def _traced_regions():
+    """(layer fingerprint, call, grads, inputs' dtypes/devices/ranks) -> a region table that holds a
+    lowered region for it, kept for the whole session."""
+    return {}
+
+
+@pytest.fixture(autouse=True)
+def _keep_region_traces(_traced_regions):
+    """After each test, keep one region table per layer structure and call alive: a later test's model
+    of the same structure takes its trace (``RegionTable._from_another_model``) instead of tracing the
+    layer again, as two live models in one process do. A symbolic trace of a tiny layer costs ~6 s of
+    this suite's CPU time; tests of tracing itself use structures of their own."""
+    yield
+    for table in list(region_tables._TABLES.values()):
+        numbers = {n: fp for fp, n in table.fingerprints.items()}
+        for key, regions in table.by_key.items():
+            full = (numbers[key[0]], *key[1:])
+            if full not in _traced_regions and any(r.lowered for r in regions):
+                _traced_regions[full] = table
 
 
 @pytest.fixture

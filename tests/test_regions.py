@@ -153,10 +153,11 @@ def test_a_recompute_without_the_generator_state_is_caught(monkeypatch):
 def test_models_of_one_structure_share_the_trace():
     """A second live prepared model of the same structure (here the stream=False reference) takes the
     first one's region instead of tracing it again: the same graphs, its own index and layers; a model
-    whose layers differ (another dropout rate) traces its own. Streamed == stream=False still."""
+    whose layers differ (another dropout rate) traces its own. Streamed == stream=False still. (Dropout
+    rates no other test uses: conftest keeps earlier tests' traces alive.)"""
     batches = demo_batches(2, seq=16)
     models, traces = [], []
-    for stream, dropout in ((True, 0.1), (False, 0.1), (True, 0.2)):
+    for stream, dropout in ((True, 0.11), (False, 0.11), (True, 0.12)):
         torch._dynamo.reset()
         model = tiny_lora_model("qwen2", layers=2, dropout=dropout)
         poros_fx.prepare(model, device="cpu", codegen="eager")

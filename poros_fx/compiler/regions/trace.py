@@ -130,7 +130,9 @@ class Region:
     # per codegen: what the compiled forward takes from the random generators (runtime/draws.py)
     draws: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     compile_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
-    lowered: bool = False  # the region passes ran on its graphs
+    # the codegens the region passes ran on its graphs for (a pass may do one codegen's work only; a
+    # region shared by two models, or compiled with another codegen by an option, may serve both)
+    lowered: set[str] = dataclasses.field(default_factory=set)
     # state the layer writes for later layers (``call.py``): (name, tensors) per entry; its tensors are
     # the outputs after the first, in this order
     writes: tuple[tuple[str, int], ...] = ()
