@@ -8,6 +8,12 @@ from poros_fx.compiler.regions import table as region_tables
 
 # deterministic CPU kernels and a quiet log; tests build tiny models and never touch a hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # one intra-op thread per xdist worker (and for the processes a test starts): `make test` runs two
+    # workers on two cores, and two OpenMP pools of two threads each on them made a tiny parity case take
+    # 80 s instead of 15 s; the tiny models gain nothing from a second thread
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
 
 
