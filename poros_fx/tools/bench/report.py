@@ -123,14 +123,19 @@ def _warm(row: dict[str, Any]) -> str:
     return f"failed: {error}".replace("|", "/") if error else "-"
 
 
+def _shapes(rows: list[dict[str, Any]]) -> str:
+    """The rows' models, by name (qwen2.5-*: Qwen2.5 shapes; the others: tools/configs/ or tiny)."""
+    return f"Random-init models ({', '.join(sorted({r['model'] for r in rows}))})"
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The matrix as a markdown table, with the environment and the command lines that built it."""
     env = doc["env"]
     lines = ["# poros-fx bench", "",
              (f"Device: {env.get('gpu') or env.get('device')}; torch {env.get('torch')}, transformers "
              f"{env.get('transformers')}, peft {env.get('peft')}, bitsandbytes {env.get('bitsandbytes')}; pinned H2D "
-             f"{_fmt(env.get('pinned_h2d_gbps'), 1)} GB/s. Random-init Qwen2.5 shapes, NF4 base, LoRA r16 alpha 32 "
-             "on all seven projections, AdamW, batch 1. s/step: median after warm-up; peak: max_memory_allocated; "
+             f"{_fmt(env.get('pinned_h2d_gbps'), 1)} GB/s. {_shapes(doc['rows'])}, NF4 base, LoRA r16 alpha 32 "
+             "on every linear of a decoder layer, AdamW, batch 1. s/step: median after warm-up; peak: max_memory_allocated; "
              "floor: 2 x bytes loaded per pass (every block once) x accum / pinned bandwidth; ratio: s/step over "
              "the same run's peft_resident (marked * where that run had none and another run's is used: step "
              "times move between the hosts lent on different days); run: the numbered run below that measured "
