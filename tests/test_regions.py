@@ -236,3 +236,19 @@ def test_unprepare_restores_the_layer_classes():
     poros_fx.unprepare(model)
     assert [type(m) for m in model.modules()] == classes
     assert not any(k.startswith("_poros") for m in model.modules() for k in vars(m))
+
+
+def test_mode_guards_only_modules_whose_forward_can_read_their_mode():
+    """``mode_entry`` (read while Dynamo traces, so each flag is a guard) lists the modules with a forward
+    of their own — the layer, attention, MLP, norms, activation, each LoRA layer and its dropout — and
+    leaves out containers and plain linears, which no ``training`` flag can change (a LoRA'd Qwen2 layer:
+    83 modules, 20 listed). Every flag that matters is still read: tests/test_real_loops.py's
+    ``test_mode_changes_reach_the_regions`` checks eval() and adapter toggles against the eager model."""
+    from poros_fx.compiler.regions.key import mode_modules
+
+    layer = tiny_lora_model("qwen2", layers=1, dropout=0.1).get_base_model().model.layers[0]
+    modules, adapters = mode_modules(layer)
+    kinds = sorted({type(m).__name__ for m in modules})
+    assert len(list(layer.modules())) == 83 and len(modules) == 20 and len(adapters) == 7
+    assert kinds == ["Dropout", "Linear", "Qwen2Attention", "Qwen2DecoderLayer", "Qwen2MLP", "Qwen2RMSNorm", "SiLUActivation"]
+    assert all(type(m).__module__.startswith("peft") for m in modules if type(m).__name__ == "Linear")

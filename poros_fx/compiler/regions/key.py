@@ -144,10 +144,17 @@ def check_state(layer: nn.Module, index: int) -> None:
 MODE = "@mode="  # the call string's entry that describes the layer's mode (``rebuild_call`` skips it)
 
 
+# forwards that never read ``training``: containers (no forward of their own), and torch's linear,
+# identity and embedding. A module of one of these classes cannot change a trace by its flag.
+_MODE_FREE_FORWARDS = frozenset({nn.Module.forward, nn.Linear.forward, nn.Identity.forward, nn.Embedding.forward})
+
+
 def mode_modules(layer: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
-    """The modules whose mode ``mode_entry`` reads: every module of the layer (its ``training`` flag),
+    """The modules whose mode ``mode_entry`` reads: every module of the layer whose forward may read its
+    ``training`` flag (all but containers and plain linears: a LoRA'd layer has about 80 modules, 20 of
+    them with a forward of their own; each flag read is a guard Dynamo builds and checks on every call),
     and the PEFT tuner layers among them (adapter switched off, active adapter, scaling)."""
-    modules = list(layer.modules())
+    modules = [m for m in layer.modules() if type(m).forward not in _MODE_FREE_FORWARDS]
     return modules, [m for m in modules if hasattr(m, "_disable_adapters") and hasattr(m, "scaling")]
 
 
