@@ -49,14 +49,24 @@ def markdown(doc: dict, command: str) -> str:
                   "Dynamo's `compile_times` (nested and overlapping: `_compile.compile_inner` holds the others, and the "
                   "region's trace runs inside them when a fake call first asks for it, so they do not add up) "
                   "and the region's own trace and compile (`poros_fx.stats(model)['regions']`, one region "
-                  "per layer structure: here one for the 4 layers).", "",
-                  "| codegen | first step s | region trace s | region compile s | " + " | ".join(names) + " |",
-                  "|---" * (4 + len(names)) + "|"]
+                  "per layer structure: here one for all the layers).", "",
+                  "| codegen | layers | first step s | region trace s | region compile s | " + " | ".join(names) + " |",
+                  "|---" * (5 + len(names)) + "|"]
         for b in phases:
             e = b["extra_info"]
-            lines.append(f"| {e['codegen']} | {b['stats']['median']:.2f} | {e['region_trace_s']} | "
+            lines.append(f"| {e['codegen']} | {e['layers']} | {b['stats']['median']:.2f} | {e['region_trace_s']} | "
                          f"{e['region_compile_s']} | " + " | ".join(str(e["phases_s"].get(n, "-")) for n in names)
                          + " |")
+        eager = sorted(((b["extra_info"]["layers"], b) for b in phases if b["extra_info"]["codegen"] == "eager"),
+                       key=lambda pair: pair[0])
+        if len(eager) >= 2:
+            (small, a), (large, b) = eager[0], eager[-1]
+            per_layer = {n: (b["extra_info"]["phases_s"].get(n, 0) - a["extra_info"]["phases_s"].get(n, 0)) / (large - small)
+                         for n in names}
+            lines += ["", f"Growth per layer, eager codegen, {small} -> {large} layers (one region for all: this is the "
+                      f"compile's cost per layer outside the region): first step "
+                      f"{(b['stats']['median'] - a['stats']['median']) / (large - small) * 1e3:.0f} ms; "
+                      + ", ".join(f"{n} {v * 1e3:.0f} ms" for n, v in per_layer.items())]
     return "\n".join(lines) + "\n"
 
 
