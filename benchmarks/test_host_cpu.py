@@ -29,7 +29,6 @@ import inspect
 import pytest
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-from torch._dynamo.utils import compile_times
 from torch._inductor.utils import fresh_cache
 
 import poros_fx

@@ -5,7 +5,9 @@ plus small values such as rotary tables) and reruns each block's interior, its `
 included, just before that block's gradients. A loaded weight is never saved: ``MUST_RECOMPUTE``
 nodes are banned from the saved set, so the backward reloads the block instead of receiving the
 forward's device copy. With ``stream=False`` nothing is tagged and the default partition saves. A
-head loaded in row chunks keeps only its loads tagged (see below): its logits are saved, not rerun.
+head loaded in row chunks keeps only its loads tagged (see below): its logits are saved, not rerun; so
+does a layer block whose activations are saved (``options={"save_activations": N}``, the last N): its
+base is reloaded for the backward, its region's saved tensors are kept, nothing of it is rerun.
 
 Before (joint graph, ``meta`` shown in brackets)::
 
@@ -50,6 +52,10 @@ def recompute(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     # only the chunk loads (their host slices and views) are recomputed; the min-cut saves the logits.
     chunked_loss = {n.meta[BLOCK] for n in gm.graph.nodes if n.meta.get(FORWARD) and _loss_tag(n) is not None}
     chunked = {ld.meta[BLOCK] for ld in loads if chunk_of(ld) is not None} - chunked_loss
+    # options save_activations: the last N layer blocks are not rerun either; only their loads are, so
+    # the backward reloads their base (a loaded weight is never saved) and takes their activations
+    schedule.activation_blocks = _activation_blocks(schedule)
+    chunked |= schedule.activation_blocks
     reloaded = {a for ld in loads if ld.meta[BLOCK] in chunked for a in (*aliases(ld), *ld.all_input_nodes)}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.meta.get(FORWARD):
@@ -60,6 +66,14 @@ def recompute(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
             n.meta["ac_graph_id"] = n.meta[BLOCK] + 1
     _save_block_outputs(gm)
     return gm
+
+
+def _activation_blocks(schedule: Schedule) -> frozenset[int]:
+    """The layer blocks whose activations the backward keeps: the last ``save_activations`` of them (the
+    backward's first, so their activations are the first freed)."""
+    count = schedule.options.save_activations
+    layers = [b.index for b in schedule.blocks if b.name not in ("embed", "head", "no-layers")]
+    return frozenset(layers[len(layers) - count:]) if count else frozenset()
 
 
 def _loss_tag(n: fx.Node) -> object:

@@ -107,7 +107,6 @@ def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     runtime = schedule.runtime
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
-    output = next(iter(graph.find_nodes(op="output")))
     loads = [n for n in graph.nodes if n.target is LOAD]
     if schedule.stream:
         check_no_base_leaves(graph, loads, phase)

@@ -97,6 +97,8 @@ class PorosOptions:
     # (prepare.set_trace_options)
     offload_boundaries: bool | None = None  # saved block outputs wait in host memory (passes/offload.py);
     # None: what prepare() was given (default False)
+    save_activations: int = 0  # the last N decoder-layer blocks keep their activations for the backward
+    # instead of recomputing them (passes/recompute.py); their base is still reloaded for the backward
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "PorosOptions":
@@ -116,6 +118,9 @@ class PorosOptions:
         for name in ("block_major", "chunked_loss", "offload_boundaries"):
             if getattr(opts, name) is not None and not isinstance(getattr(opts, name), bool):
                 raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")
+        if isinstance(opts.save_activations, bool) or not isinstance(opts.save_activations, int) or opts.save_activations < 0:
+            raise PorosConfigError(f"save_activations must be an integer >= 0 (the last N decoder-layer blocks keep "
+                                   f"their activations instead of recomputing them), got {opts.save_activations!r}")
         if opts.dump is None and os.environ.get(DUMP_ENV):
             opts = dataclasses.replace(opts, dump=os.environ[DUMP_ENV])
         return opts

@@ -67,12 +67,13 @@ class PorosStep(Generic[P, R]):
                  prefetch: int | str | None = None, stream: bool = True, dump: str | None = None,
                  codegen: str | None = None, device: str | torch.device | None = None,
                  memory_budget: int | str | None = None, block_major: bool | None = None,
-                 chunked_loss: bool | None = None, offload_boundaries: bool | None = None) -> None:
+                 chunked_loss: bool | None = None, offload_boundaries: bool | None = None,
+                 save_activations: int | None = None) -> None:
         if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
             raise PorosConfigError(f"accumulate must be an integer >= 1 (micro-batches per call), got {accumulate!r}")
         given = {"block_size": block_size, "prefetch": prefetch, "dump": dump, "codegen": codegen,
                  "memory_budget": memory_budget, "block_major": block_major, "chunked_loss": chunked_loss,
-                 "offload_boundaries": offload_boundaries}
+                 "offload_boundaries": offload_boundaries, "save_activations": save_activations}
         options: dict[str, Any] = {"stream": stream, **{k: v for k, v in given.items() if v is not None}}
         PorosOptions.from_dict(options)  # bad options raise here, at decoration, not at the first step
         functools.update_wrapper(self, fn)
@@ -231,14 +232,16 @@ def step(*, accumulate: int | None = None, block_size: int | None = None, prefet
          stream: bool = True, dump: str | None = None, codegen: str | None = None,
          device: str | torch.device | None = None, memory_budget: int | str | None = None,
          block_major: bool | None = None, chunked_loss: bool | None = None,
-         offload_boundaries: bool | None = None) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
+         offload_boundaries: bool | None = None,
+         save_activations: int | None = None) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
 
 
 def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, block_size: int | None = None,
          prefetch: int | str | None = None, stream: bool = True, dump: str | None = None, codegen: str | None = None,
          device: str | torch.device | None = None, memory_budget: int | str | None = None,
          block_major: bool | None = None, chunked_loss: bool | None = None,
-         offload_boundaries: bool | None = None) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
+         offload_boundaries: bool | None = None,
+         save_activations: int | None = None) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
     """Decorate a training-step function so its model arguments are streamed by poros.
 
     ``@step`` or ``@step(accumulate=N, block_size=..., prefetch=..., stream=..., dump=..., codegen=...,
@@ -246,7 +249,8 @@ def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, 
     ``codegen`` (``"inductor"`` | ``"eager"``), ``memory_budget`` (``"24GB"``: blocks that fit stay resident,
     ``runtime/budget.py``), ``block_major``, ``chunked_loss`` (head and loss in vocabulary chunks, set on the
     model before it is traced: ``poros_fx/loss.py``) and ``offload_boundaries`` (saved block outputs in host
-    memory: ``passes/offload.py``) are the backend's ``options``; ``device`` (and
+    memory: ``passes/offload.py``) and ``save_activations`` (the last N layer blocks keep their activations
+    instead of recomputing them: ``passes/recompute.py``) are the backend's ``options``; ``device`` (and
     ``block_size`` / ``prefetch``) go to ``poros_fx.prepare`` for a model that is not prepared yet
     (unset: prepare's defaults, ``block_size=1``, ``prefetch="auto"``).
     With ``accumulate=N`` the call takes a list of N micro-batches and returns the list of the N
@@ -271,7 +275,8 @@ def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, 
     def decorate(f: Callable[P, R]) -> PorosStep[P, R]:
         return PorosStep(f, accumulate=accumulate, block_size=block_size, prefetch=prefetch, stream=stream,
                          dump=dump, codegen=codegen, device=device, memory_budget=memory_budget,
-                         block_major=block_major, chunked_loss=chunked_loss, offload_boundaries=offload_boundaries)
+                         block_major=block_major, chunked_loss=chunked_loss, offload_boundaries=offload_boundaries,
+                         save_activations=save_activations)
 
     if fn is not None:
         if not callable(fn):

@@ -97,6 +97,8 @@ class Schedule:
     evicts: list[Evict] = dataclasses.field(default_factory=list)
     rng_slots: list[RngSlot] = dataclasses.field(default_factory=list)
     saved_boundaries: list[str] = dataclasses.field(default_factory=list)  # forward values the backward keeps
+    # blocks whose activations the backward keeps instead of recomputing them (options save_activations)
+    activation_blocks: frozenset = frozenset()
     offload_boundaries: bool = False  # block outputs saved for the backward wait in host memory (passes/offload.py)
     offloaded: list[str] = dataclasses.field(default_factory=list)  # of saved_boundaries: those offloaded
     runtime: Any = None  # runtime.executor.GraphRuntime of the graph being compiled

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch

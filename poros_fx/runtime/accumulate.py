@@ -44,7 +44,6 @@ from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
-import torch.fx as fx
 
 from ..errors import PorosConfigError, PorosExactnessError
 from ..handles import get_store, unwrap

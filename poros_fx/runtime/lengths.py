@@ -17,7 +17,7 @@ plain ``torch.compile(model, backend="poros")`` call to skip the second compile:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 

@@ -12,7 +12,6 @@ import collections
 import dataclasses
 import sys
 import threading
-import warnings
 import weakref
 from typing import Any
 

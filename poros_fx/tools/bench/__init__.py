@@ -11,7 +11,9 @@ decoder layer under plain ``torch.compile``, resident) and ``compiled_regional_c
 with activation checkpointing), ``poros`` (streamed, one row per block size; the default options, so
 prefetch "auto" and the device's codegen), ``poros_eager`` / ``poros_inductor`` (each codegen by name),
 ``poros_resident`` (``options={"stream": False}``), ``poros_budget`` (``options={"memory_budget":
---memory-budget}``: after the first step the blocks that fit stay resident), ``poros_micro_major``
+--memory-budget}``: after the first step the blocks that fit stay resident), ``poros_saved``
+(``options={"save_activations": every layer}``: no block recomputed, each still reloaded for its
+backward) and ``poros_budget_saved`` (both: a kept block is neither reloaded nor recomputed), ``poros_micro_major``
 (``options={"block_major": False}``: accumulated micro-batches one after the other; every other poros
 method runs an accumulation row block-major, ``runtime/accumulate.py``) and, opt-in, ``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor
 instead of per block) and ``poros_prefetch1`` (``options={"prefetch": 1}``: the fixed depth that was the

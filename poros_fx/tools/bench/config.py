@@ -96,7 +96,8 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
         raise ValueError(f"--device must be cpu or cuda, got {device!r}")
     if any(known_methods[m].budget for m in method_names):
         if memory_budget is None:
-            raise ValueError("poros_budget needs --memory-budget (e.g. 24GB)")
+            raise ValueError(f"{', '.join(m for m in method_names if known_methods[m].budget)} need(s) --memory-budget "
+                             "(e.g. 24GB)")
 
         try:
             parse_size(memory_budget)

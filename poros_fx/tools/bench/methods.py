@@ -133,13 +133,16 @@ _poros_prefetch1 = _poros_with(prefetch=1)
 _poros_micro_major = _poros_with(block_major=False)
 _poros_chunked_loss = _poros_with(chunked_loss=True)
 _poros_long = _poros_with(chunked_loss=True, offload_boundaries=True)
+EVERY_LAYER = 1 << 30  # save_activations counts layer blocks from the last; more than a model has means all
+_poros_saved = _poros_with(save_activations=EVERY_LAYER)
 
 
-def _poros_budget(model: nn.Module, block_size: int | None, memory_budget: str | None = None) -> Runner:
+def _poros_budget(model: nn.Module, block_size: int | None, memory_budget: str | None = None,
+                  save_activations: int = 0) -> Runner:
     """Streamed with ``options={"memory_budget": ...}``: the first step measures, then blocks that fit
-    stay resident (runtime/budget.py)."""
+    stay resident (runtime/budget.py); ``save_activations``: that many layer blocks keep their activations."""
 
-    runner = _poros_with(memory_budget=memory_budget)(model, block_size)
+    runner = _poros_with(memory_budget=memory_budget, save_activations=save_activations)(model, block_size)
     clear = runner.teardown
 
     def teardown() -> None:
@@ -150,6 +153,12 @@ def _poros_budget(model: nn.Module, block_size: int | None, memory_budget: str |
         clear()
 
     return Runner(runner.forward, teardown=teardown, micro_batches=runner.micro_batches)
+
+
+def _poros_budget_saved(model: nn.Module, block_size: int | None, memory_budget: str | None = None) -> Runner:
+    """``_poros_budget`` with every layer block's activations saved: kept blocks are neither reloaded nor
+    recomputed; streamed ones are reloaded, not recomputed."""
+    return _poros_budget(model, block_size, memory_budget, save_activations=EVERY_LAYER)
 
 
 def _own_process(model: nn.Module, block_size: int | None) -> Runner:
@@ -177,6 +186,10 @@ METHODS: Mapping[str, Method] = types.MappingProxyType({
     # streamed with --memory-budget: blocks that fit stay resident after the first step
     "poros_budget": Method("poros_budget", "prepared", _poros_budget, compiled=True, streams=True,
                            per_block_size=True, budget=True),
+    # every layer block keeps its activations for the backward (options save_activations): no recompute
+    "poros_saved": Method("poros_saved", "prepared", _poros_saved, compiled=True, streams=True, per_block_size=True),
+    "poros_budget_saved": Method("poros_budget_saved", "prepared", _poros_budget_saved, compiled=True, streams=True,
+                                 per_block_size=True, budget=True),
     # accumulation micro-batch after micro-batch, each copying the base (the default runs them block-major)
     "poros_micro_major": Method("poros_micro_major", "prepared", _poros_micro_major, compiled=True, streams=True,
                                 per_block_size=True),

@@ -15,7 +15,6 @@ Unsloth that cannot be imported gives ``{"error": "skipped: unsloth not importab
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
