@@ -159,3 +159,19 @@ def test_compile_warm_runs_the_row_again_in_a_second_process(tmp_path, monkeypat
     assert "first_step_warm_s" not in rows[("peft_resident", None, 32, 1)]  # not compiled: one process
     md = (tmp_path / "bench.md").read_text()
     assert f"| {row['first_step_warm_s']:.1f} / {row['compile_warm_s']:.1f} |" in md and "--compile-warm" in md
+
+
+def test_poros_fx_bench_takes_every_option_of_the_module():
+    """`poros-fx bench` and `python -m poros_fx.tools.bench` are two parsers of one benchmark: every option
+    of the module's is the command's too (the command once lacked --memory-budget, --compile-warm and the
+    Unsloth options), with the same help for the models and methods."""
+    import typer
+
+    from poros_fx.tools import cli as cli_module
+
+    module_options = {o for a in bench.parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
+    command = typer.main.get_command(cli_module.app).commands["bench"]
+    command_options = {o for p in command.params for o in p.opts if o.startswith("--")}
+    assert module_options <= command_options, sorted(module_options - command_options)
+    helps = {p.name: p.help for p in command.params}
+    assert helps["models"] == bench.MODELS_HELP and all(m in helps["methods"] for m in bench.METHODS)

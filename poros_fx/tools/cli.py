@@ -540,10 +540,8 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
 # -- bench ------------------------------------------------------------------------------------------
 
 @app.command()
-def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: tiny, 0.5b, 7b, 32b, 72b"),
-          methods: str = typer.Option("peft_resident,peft_checkpointing,poros,poros_resident",
-                                      help="comma-separated: peft_resident, peft_checkpointing, compiled_resident, "
-                                      "poros, poros_resident, poros_tensor_copies, poros_auto"),
+def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.MODELS_HELP),
+          methods: str = typer.Option(harness.DEFAULT_METHODS, help=f"comma-separated: {', '.join(harness.METHODS)}"),
           block_sizes: str = typer.Option("1,2,4", help="poros block sizes, one row each"),
           seqs: str = typer.Option("512,2048", help="sequence lengths; the first is the base"),
           accums: str = typer.Option("1,4", help="gradient accumulation; the first is the base"),
@@ -560,6 +558,15 @@ def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: t
           profile: Optional[Path] = typer.Option(None, metavar="DIR",
                                                  help="profile one extra step per row: Chrome trace into DIR, "
                                                  "summary into the row's 'profile'"),
+          memory_budget: Optional[str] = typer.Option(None, help="poros_budget and poros_budget_saved: their "
+                                                      "memory_budget (e.g. 24GB)"),
+          checkpoints: Path = typer.Option(Path(harness.DEFAULT_CHECKPOINTS), metavar="DIR",
+                                           help="unsloth_*: the random-init checkpoint of each model is written "
+                                           "(once) under DIR"),
+          unsloth_offload_layers: Optional[int] = typer.Option(None, metavar="N", help="unsloth_offload: decoder "
+                                                               "layers Unsloth swaps from host memory (default: all)"),
+          compile_warm: bool = typer.Option(False, "--compile-warm", help="compiled rows: compile_s cold (a fresh "
+                                            "Inductor cache) and warm (a second process, same cache)"),
           nproc: Optional[int] = typer.Option(None, min=1, help="several GPUs: instead, poros on 1 and on NPROC GPUs "
                                               "and FSDP2 with CPU offload, each a torchrun job (tools/multi_bench.py; "
                                               "the first of --models and --seqs; results in the --json path without "
@@ -583,6 +590,8 @@ def bench(models: str = typer.Option("0.5b,7b,32b,72b", help="comma-separated: t
                                      grid=grid, steps=steps, warmup=warmup, device=device, json_path=json_path,
                                      md_path=md, plot_path=plot, time_budget=time_budget,
                                      compiled_resident=compiled_resident, profile_dir=profile,
+                                     memory_budget=memory_budget, checkpoints=checkpoints,
+                                     unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm,
                                      command=shlex.join(["poros-fx", *sys.argv[1:]]))
     except ValueError as e:
         raise fail(str(e))

@@ -16,10 +16,13 @@ from .run import run
 
 DESCRIPTION = "The side-by-side benchmark (issue 3): PEFT baselines and poros in one process, one JSON matrix."
 
+MODELS_HELP = "comma-separated: tiny, 0.5b, 7b, 32b, 72b (Qwen2.5 shapes), qwen3.5-27b, gemma-4-31b"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m poros_fx.tools.bench", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated: tiny, 0.5b, 7b, 32b, 72b")
+    p.add_argument("--models", default=DEFAULT_MODELS, help=MODELS_HELP)
     p.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated: {', '.join(METHODS)}")
     p.add_argument("--block-sizes", default=DEFAULT_BLOCK_SIZES, help="poros block sizes (one row each)")
     p.add_argument("--seqs", default=DEFAULT_SEQS, help="sequence lengths; the first is the base")
@@ -35,7 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=None, help="seconds; no new row starts after them")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="profile one extra step per row: Chrome trace into DIR, summary into the row's 'profile'")
-    p.add_argument("--memory-budget", default=None, help="poros_budget's memory_budget (e.g. 24GB)")
+    p.add_argument("--memory-budget", default=None,
+                   help="poros_budget and poros_budget_saved: their memory_budget (e.g. 24GB)")
     p.add_argument("--compiled-resident", action="store_true",
                    help="add compiled_resident (plain torch.compile/Inductor; 0.5B and 7B only)")
     p.add_argument("--checkpoints", default=DEFAULT_CHECKPOINTS, metavar="DIR",
