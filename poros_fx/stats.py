@@ -18,7 +18,8 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     ``resident_base_bytes`` (now), ``block_bytes`` (list, per block: embed, layer blocks, head),
     ``block_names``, ``bytes_loaded``, ``loads`` (tensors), ``copies`` (host-to-device copy calls: one per
     contiguous host range of a block), ``bytes_copied``, ``evictions``, ``eager_loads`` (of ``loads``: made
-    outside the poros graphs by ``poros::load`` itself, neither streamed nor recomputed), ``recomputed_blocks``,
+    outside the poros graphs by ``poros::load`` itself, neither streamed nor recomputed), ``recomputed_blocks``
+    (blocks a backward loaded and reran; a block whose activations were saved is loaded, not counted),
     ``forward_runs``, ``backward_runs`` (per micro-batch), ``block_major_steps`` and ``block_major_micro_batches``
     (accumulation steps that ran block-major, each block loaded once for their micro-batches, and how many
     micro-batches they had; ``runtime/accumulate.py``), ``host_bytes`` (the base's bytes in the host store),

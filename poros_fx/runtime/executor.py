@@ -471,5 +471,7 @@ class GraphRuntime:
                 ledger.forward_runs += runs
             else:
                 ledger.backward_runs += runs
-                ledger.recomputed_blocks += len(self._blocks_loaded) * runs
+                # a block whose activations were saved (options save_activations) is loaded, not rerun
+                saved = getattr(self.schedule, "activation_blocks", frozenset())
+                ledger.recomputed_blocks += len(self._blocks_loaded - saved) * runs
         return out
