@@ -175,3 +175,14 @@ def test_poros_fx_bench_takes_every_option_of_the_module():
     assert module_options <= command_options, sorted(module_options - command_options)
     helps = {p.name: p.help for p in command.params}
     assert helps["models"] == bench.MODELS_HELP and all(m in helps["methods"] for m in bench.METHODS)
+
+
+def test_saved_activation_rows_run(tmp_path):
+    """poros_saved (every layer block keeps its activations) and poros_budget_saved (and a budget keeps the
+    blocks): rows without errors, the second copying less once its plan is made."""
+    doc = _run(tmp_path, methods="poros_saved,poros_budget_saved", memory_budget="1GB", steps=3)
+    rows = _rows(doc)
+    saved, kept = rows[("poros_saved", 1, 32, 1)], rows[("poros_budget_saved", 1, 32, 1)]
+    assert saved["error"] is None and kept["error"] is None
+    # tiny: 1GB keeps every block, copied once after the plan is made; streamed, every step copies
+    assert kept["resident_blocks"] > 0 and kept["copies_per_step"] < saved["copies_per_step"]
