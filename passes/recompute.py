@@ -51,15 +51,15 @@ def recompute(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     # backward has read all the logits. Recomputing the logits would need every chunk loaded at once, so
     # only the chunk loads (their host slices and views) are recomputed; the min-cut saves the logits.
     chunked_loss = {n.meta[BLOCK] for n in gm.graph.nodes if n.meta.get(FORWARD) and _loss_tag(n) is not None}
-    chunked = {ld.meta[BLOCK] for ld in loads if chunk_of(ld) is not None} - chunked_loss
+    loads_only = {ld.meta[BLOCK] for ld in loads if chunk_of(ld) is not None} - chunked_loss
     # options save_activations: the last N layer blocks are not rerun either; only their loads are, so
     # the backward reloads their base (a loaded weight is never saved) and takes their activations
     schedule.activation_blocks = _activation_blocks(schedule)
-    chunked |= schedule.activation_blocks
-    reloaded = {a for ld in loads if ld.meta[BLOCK] in chunked for a in (*aliases(ld), *ld.all_input_nodes)}
+    loads_only |= schedule.activation_blocks
+    reloaded = {a for ld in loads if ld.meta[BLOCK] in loads_only for a in (*aliases(ld), *ld.all_input_nodes)}
     for n in gm.graph.nodes:
         if n.op == "call_function" and n.meta.get(FORWARD):
-            if n.meta[BLOCK] in chunked and n not in reloaded:
+            if n.meta[BLOCK] in loads_only and n not in reloaded:
                 continue
             save = _loss_tag(n) == SAVE
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE

@@ -46,6 +46,7 @@ def test_saved_blocks_equal_stream_false_and_the_eager_loop():
     # a saved block reruns its load alone; the recomputed one its whole region, under its saved RNG state
     assert recomputed["layers.1"] == recomputed["layers.2"] == 1 and recomputed["layers.0"] > 10
     assert {slot.block for slot in schedule.rng_slots} == {names.index("layers.0")}
+    assert "not recomputed (save_activations): layers.1, layers.2" in schedule.table()
     # their base is still streamed: loaded again for the backward; the ledger counts them loaded, not rerun
     assert schedule.activation_blocks <= {ld.block for ld in schedule.loads if ld.phase == "backward"}
     stats = poros_fx.stats(model)

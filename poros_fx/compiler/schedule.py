@@ -153,6 +153,9 @@ class Schedule:
         widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         tail = f"\nsaved for backward ({len(self.saved_boundaries)}): {', '.join(self.saved_boundaries)}\n"
+        if self.activation_blocks:
+            tail += (f"activations kept for the backward, not recomputed (save_activations): "
+                     f"{', '.join(self.block_name(i) for i in sorted(self.activation_blocks))}\n")
         if self.offloaded:
             tail += f"offloaded to host memory ({len(self.offloaded)}): {', '.join(self.offloaded)}\n"
         if self.block_graph is not None:
