@@ -5,6 +5,7 @@ Every comparison is ``torch.equal`` / ``==`` between independent runs (each load
 """
 
 import json
+import re
 
 import peft
 import pytest
@@ -171,3 +172,19 @@ def test_resume_follows_a_moved_model_and_data(checkpoint, chat_file, tmp_path, 
     assert_same_adapter(tmp_path / "part", tmp_path / "whole")
     code, _, err = run_cli(capsys, "train", "--resume", str(tmp_path / "part"), "--steps", "5", "--lr", "1e-3")
     assert code == 2 and "--lr 0.001 (the run has 0.0002)" in err and "--model" in err and "--data" in err
+
+
+def test_save_activations_from_the_command_line_trains_the_same_bits(checkpoint, chat_file, tmp_path, capsys):
+    """`train --save-activations 1` (the last layer block keeps its activations, not recomputed) writes the
+    adapter a run without it writes, with dropout and block-major accumulation; run.toml keeps the option."""
+    common = ("train", str(checkpoint), "--data", str(chat_file), "--steps", "2", "--accumulate", "2",
+              "--lora-dropout", "0.1", *FAST)
+    recomputed = []
+    for name, extra in (("recomputed", ()), ("saved", ("--save-activations", "1"))):
+        code, out, err = run_cli(capsys, *common, "--out", str(tmp_path / name), *extra)
+        assert code == 0, err
+        recomputed.append(int(re.search(r"(\d+) recomputed blocks", out).group(1)))
+    assert_same_adapter(tmp_path / "recomputed", tmp_path / "saved")
+    # 2 steps x 2 micro-batches: the layer block saved is reloaded for each backward, not rerun
+    assert recomputed[0] - recomputed[1] == 2 * 2
+    assert "save_activations = 1" in (tmp_path / "saved" / "run.toml").read_text()

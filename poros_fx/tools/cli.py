@@ -381,6 +381,9 @@ def train(ctx: typer.Context,
                                             "(long sequences: never the whole logits; not bitwise HF's loss)"),
           offload_boundaries: bool = typer.Option(False, help="keep the hidden states saved between blocks in host "
                                                   "memory until the backward needs them"),
+          save_activations: int = typer.Option(0, min=0, metavar="N", help="the last N decoder-layer blocks keep their "
+                                               "activations for the backward instead of recomputing them (memory for "
+                                               "time; the same bits)"),
           seed: int = typer.Option(0, help="seeds the LoRA init, dropout, data order (and --from-config weights)"),
           metrics: bool = typer.Option(True, help="write OUT/metrics.jsonl (and TensorBoard events when tensorboard is "
                                        "installed)"),
@@ -425,7 +428,8 @@ _OPTION_NAMES = ("model", "from_config", "data", "out", "quantization", "lora_r"
                  "target_modules", "steps", "epochs", "lr", "weight_decay", "seq_len", "pack", "batch_size",
                  "accumulate", "block_size", "prefetch", "codegen", "device", "seed", "log_every", "save_every",
                  "memory_budget", "block_major", "warmup_steps", "schedule", "max_grad_norm", "eval_data", "eval_every",
-                 "save_total_limit", "train_on", "split", "metrics", "chunked_loss", "offload_boundaries")
+                 "save_total_limit", "train_on", "split", "metrics", "chunked_loss", "offload_boundaries",
+                 "save_activations")
 
 
 # -- eval -------------------------------------------------------------------------------------------

@@ -34,8 +34,8 @@ _STATE_KEY = "poros_fx_train_state"
 _STATE_VERSION = 1
 # what a resumed run may change: none touches a bit of the result (the data order does not depend on the
 # step count, streaming is exact whatever the block size and prefetch, evaluation draws no random numbers)
-RESUMABLE = ("steps", "epochs", "block_size", "prefetch", "memory_budget", "block_major", "log_every", "save_every",
-             "out", "eval_data", "eval_every", "save_total_limit", "metrics")
+RESUMABLE = ("steps", "epochs", "block_size", "prefetch", "memory_budget", "block_major", "save_activations",
+             "log_every", "save_every", "out", "eval_data", "eval_every", "save_total_limit", "metrics")
 # may be given again where the files moved: the same model (config and tensor layout) and the same rows
 # (tokenized), checked by hash
 MOVABLE = ("model", "data")
@@ -214,7 +214,8 @@ def resume_settings(given: dict[str, Any], typed: Callable[[str], bool], folder:
         raise PorosConfigError(
             f"--resume {folder} continues a run with its own settings, and these would change its result: "
             f"{'; '.join(conflicts)}. Leave them out (a moved model or data file may be given again with --model / "
-            f"--data; --steps/--epochs, --block-size, --prefetch, --memory-budget, --block-major, --eval-data, "
+            f"--data; --steps/--epochs, --block-size, --prefetch, --memory-budget, --block-major, --save-activations, "
+            f"--eval-data, "
             f"--eval-every, --log-every, --save-every, --save-total-limit and --out may change), or start a new run")
     if given.get("epochs") is not None and typed("epochs"):
         run["steps"] = None  # recomputed from the data below

@@ -105,6 +105,7 @@ class TrainOptions:
     metrics: bool = True  # OUT/metrics.jsonl (and TensorBoard when installed)
     chunked_loss: bool = False  # head + loss in vocabulary chunks (poros_fx/loss.py)
     offload_boundaries: bool = False  # saved block outputs in host memory (passes/offload.py)
+    save_activations: int = 0  # the last N layer blocks keep their activations, not recomputed (passes/recompute.py)
 
     def check(self) -> None:
         """Refuse settings that cannot run, before anything is loaded."""
@@ -120,8 +121,9 @@ class TrainOptions:
                 raise PorosConfigError(f"{name} must be at least 1, got {value}")
         if self.schedule not in SCHEDULES:
             raise PorosConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.warmup_steps < 0 or (self.save_total_limit is not None and self.save_total_limit < 0):
-            raise PorosConfigError("warmup_steps and save_total_limit must be at least 0")
+        if self.warmup_steps < 0 or (self.save_total_limit is not None and self.save_total_limit < 0) or \
+                self.save_activations < 0:
+            raise PorosConfigError("warmup_steps, save_total_limit and save_activations must be at least 0")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise PorosConfigError(f"max_grad_norm must be above 0, got {self.max_grad_norm}")
         if self.eval_every is not None and self.eval_data is None:
@@ -277,7 +279,8 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
                   f"trainable parameters)", soft_wrap=True, highlight=False)
     model.train()
     # several ranks: DDP with the host store ignored, all-reducing the adapter's gradients
-    options = {"block_major": o.block_major, "chunked_loss": o.chunked_loss, "offload_boundaries": o.offload_boundaries}
+    options = {"block_major": o.block_major, "chunked_loss": o.chunked_loss, "offload_boundaries": o.offload_boundaries,
+               "save_activations": o.save_activations}
     set_trace_options(model, options)
     step_model = torch.compile(distributed.data_parallel(model) if ranks.distributed else model, backend="poros",
                                options=options)
@@ -298,7 +301,7 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
                   max_grad_norm=o.max_grad_norm, eval_data=as_path(o.eval_data), eval_every=o.eval_every,
                   save_total_limit=o.save_total_limit, train_on=o.train_on, split=o.split, metrics=o.metrics,
                   chunked_loss=o.chunked_loss, offload_boundaries=o.offload_boundaries,
-                  model_sha256=_model_sha256(folder) if o.model is not None else None)
+                  save_activations=o.save_activations, model_sha256=_model_sha256(folder) if o.model is not None else None)
     metrics = MetricsLog(o.out, enabled=o.metrics and ranks.rank == 0) if o.out is not None else MetricsLog(Path("."),
                                                                                                           enabled=False)
     return _Run(opts=o, session=session, step_model=step_model, named=named, optimizer=optimizer, dataset=dataset,
@@ -311,7 +314,7 @@ _CONFIG_KEYS = ("model", "from_config", "data", "quantization", "lora_r", "lora_
                 "target_modules", "steps", "lr", "weight_decay", "seq_len", "pack", "batch_size", "accumulate",
                 "block_size", "prefetch", "codegen", "seed", "log_every", "save_every", "memory_budget", "block_major",
                 "warmup_steps", "schedule", "max_grad_norm", "eval_data", "eval_every", "save_total_limit", "train_on",
-                "split", "metrics", "chunked_loss", "offload_boundaries")
+                "split", "metrics", "chunked_loss", "offload_boundaries", "save_activations")
 
 
 def _model_sha256(folder: Optional[Path]) -> Optional[str]:
