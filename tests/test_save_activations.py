@@ -73,3 +73,38 @@ def test_every_block_saved_and_kept_is_stream_false_inductor_nf4():
 def test_save_activations_takes_a_count(bad):
     with pytest.raises(Exception, match="save_activations must be an integer >= 0"):  # Dynamo wraps it
         torch.compile(torch.nn.Linear(2, 2), backend="poros", options={"save_activations": bad})(torch.ones(2))
+
+
+def test_saved_blocks_in_a_loop_of_several_lengths_equal_the_eager_loop():
+    """A user's loop: lengths 7-33 and a width that is not a multiple of 64 (intermediate 100), one
+    compile for every length (the batches marked dynamic, as the surfaces do), eval() with grad between
+    training steps: saved blocks == the eager model throughout."""
+    shapes = [(2, 16), (1, 33), (3, 7), (2, 20)]
+
+    def loop(compiled: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = tiny_lora_model("qwen2", layers=LAYERS, dropout=0.1, intermediate=100)
+        step_model = model
+        if compiled:
+            poros_fx.prepare(model, device="cpu", codegen="eager")
+            compiled_model = torch.compile(model, backend="poros", options={"save_activations": 2})
+            step_model = lambda **b: compiled_model(**poros_fx.mark_dynamic(b))  # noqa: E731
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+        g = torch.Generator().manual_seed(1)
+        out = []
+        torch.manual_seed(2)
+        for i, (rows, length) in enumerate(shapes):
+            ids = torch.randint(0, 256, (rows, length), generator=g)
+            model.train(i != 2)  # the third batch in eval mode, gradients still on
+            loss = step_model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.detach())
+        return out + [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+    saved, eager = loop(True), loop(False)
+    assert len(saved) == len(eager)
+    for i, (a, b) in enumerate(zip(saved, eager)):
+        assert torch.equal(a, b), f"value {i} differs by {(a - b).abs().max().item():.3e}"
