@@ -544,33 +544,27 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
 # -- bench ------------------------------------------------------------------------------------------
 
 @app.command()
-def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.MODELS_HELP),
-          methods: str = typer.Option(harness.DEFAULT_METHODS, help=f"comma-separated: {', '.join(harness.METHODS)}"),
-          block_sizes: str = typer.Option("1,2,4", help="poros block sizes, one row each"),
-          seqs: str = typer.Option("512,2048", help="sequence lengths; the first is the base"),
-          accums: str = typer.Option("1,4", help="gradient accumulation; the first is the base"),
-          grid: str = typer.Option("star", help="star: base pair + each other seq / accum alone; full: every pair"),
-          steps: int = typer.Option(10, min=1, help="timed optimizer steps per row"),
-          warmup: int = typer.Option(1, min=1, help="untimed steps first (the first compiles)"),
-          device: str = typer.Option("cuda", help="cuda, or cpu (with --models tiny) for a smoke run"),
-          json_path: Path = typer.Option(Path("poros-bench.json"), "--json", help="results; merged into when it exists"),
-          md: Optional[Path] = typer.Option(None, help="markdown table (default: JSON path with .md)"),
-          plot: Optional[Path] = typer.Option(None, help="PNG plot (default: JSON path with .png)"),
-          time_budget: Optional[float] = typer.Option(None, help="seconds; no new row starts after them"),
-          compiled_resident: bool = typer.Option(False, "--compiled-resident",
-                                                 help="add compiled_resident (plain torch.compile; 0.5B/7B only)"),
-          profile: Optional[Path] = typer.Option(None, metavar="DIR",
-                                                 help="profile one extra step per row: Chrome trace into DIR, "
-                                                 "summary into the row's 'profile'"),
-          memory_budget: Optional[str] = typer.Option(None, help="poros_budget and poros_budget_saved: their "
-                                                      "memory_budget (e.g. 24GB)"),
+def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["models"]),
+          methods: str = typer.Option(harness.DEFAULT_METHODS, help=harness.HELP["methods"]),
+          block_sizes: str = typer.Option(harness.DEFAULT_BLOCK_SIZES, help=harness.HELP["block_sizes"]),
+          seqs: str = typer.Option(harness.DEFAULT_SEQS, help=harness.HELP["seqs"]),
+          accums: str = typer.Option(harness.DEFAULT_ACCUMS, help=harness.HELP["accums"]),
+          grid: str = typer.Option("star", help=harness.HELP["grid"]),
+          steps: int = typer.Option(10, min=1, help=harness.HELP["steps"]),
+          warmup: int = typer.Option(1, min=1, help=harness.HELP["warmup"]),
+          device: str = typer.Option("cuda", help=harness.HELP["device"]),
+          json_path: Path = typer.Option(Path("poros-bench.json"), "--json", help=harness.HELP["json"]),
+          md: Optional[Path] = typer.Option(None, help=harness.HELP["md"]),
+          plot: Optional[Path] = typer.Option(None, help=harness.HELP["plot"]),
+          time_budget: Optional[float] = typer.Option(None, help=harness.HELP["time_budget"]),
+          compiled_resident: bool = typer.Option(False, "--compiled-resident", help=harness.HELP["compiled_resident"]),
+          profile: Optional[Path] = typer.Option(None, metavar="DIR", help=harness.HELP["profile"]),
+          memory_budget: Optional[str] = typer.Option(None, help=harness.HELP["memory_budget"]),
           checkpoints: Path = typer.Option(Path(harness.DEFAULT_CHECKPOINTS), metavar="DIR",
-                                           help="unsloth_*: the random-init checkpoint of each model is written "
-                                           "(once) under DIR"),
-          unsloth_offload_layers: Optional[int] = typer.Option(None, metavar="N", help="unsloth_offload: decoder "
-                                                               "layers Unsloth swaps from host memory (default: all)"),
-          compile_warm: bool = typer.Option(False, "--compile-warm", help="compiled rows: compile_s cold (a fresh "
-                                            "Inductor cache) and warm (a second process, same cache)"),
+                                           help=harness.HELP["checkpoints"]),
+          unsloth_offload_layers: Optional[int] = typer.Option(None, metavar="N",
+                                                               help=harness.HELP["unsloth_offload_layers"]),
+          compile_warm: bool = typer.Option(False, "--compile-warm", help=harness.HELP["compile_warm"]),
           nproc: Optional[int] = typer.Option(None, min=1, help="several GPUs: instead, poros on 1 and on NPROC GPUs "
                                               "and FSDP2 with CPU offload, each a torchrun job (tools/multi_bench.py; "
                                               "the first of --models and --seqs; results in the --json path without "

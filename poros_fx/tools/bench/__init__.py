@@ -70,10 +70,10 @@ from .config import (DEFAULT_ACCUMS, DEFAULT_BLOCK_SIZES, DEFAULT_CHECKPOINTS, D
 from .methods import METHODS, Method, Runner, State
 from .report import load, markdown, merge, plot, ratios, save, start_run, upsert, write_outputs
 from .run import ModelHolder, environment, measure_pinned_h2d, run, run_row
-from .cli import MODELS_HELP, main, parser
+from .cli import HELP, MODELS_HELP, main, parser
 
 __all__ = ["BenchConfig", "METHODS", "Method", "ModelHolder", "RowSpec", "Runner", "State", "environment", "load",
            "main", "make_config", "markdown", "measure_pinned_h2d", "merge", "model_name", "parser", "plan", "plot",
            "ratios", "run", "run_row", "save", "shapes", "start_run", "upsert", "write_outputs",
            "DEFAULT_ACCUMS", "DEFAULT_BLOCK_SIZES", "DEFAULT_CHECKPOINTS", "DEFAULT_METHODS", "DEFAULT_MODELS",
-           "DEFAULT_SEQS", "MODEL_ORDER", "MODELS_HELP", "NO_CUDA_MESSAGE", "SIZES"]
+           "DEFAULT_SEQS", "HELP", "MODEL_ORDER", "MODELS_HELP", "NO_CUDA_MESSAGE", "SIZES"]
