@@ -7,13 +7,15 @@ An inference graph (no grad: AOTAutograd compiles a forward only, with no joint 
 through ``INFERENCE_PASSES``. ``lower_regions`` runs ``REGION_PASSES`` once on each region's own
 forward and backward graphs (a decoder layer, ``poros_fx/compiler/regions.py``) before compiling it
 (the 4-bit matmul lowering; with the eager codegen, views that real kernels' strides may refuse become
-reshapes).
+reshapes). ``capture_regions`` comes last: with ``options={"cuda_graphs": True}`` the region calls go
+through CUDA graphs (``poros_fx/runtime/cuda_graphs.py``).
 After every pass the dump hook (``poros_fx.compiler.dump``) writes the graph when dumping is on.
 """
 
 from __future__ import annotations
 
 from .block_partition import block_partition
+from .capture_regions import capture_regions
 from .lower_matmul_4bit import lower_matmul_4bit
 from .lower_regions import lower_regions
 from .lower_rng import lower_rng
@@ -26,8 +28,9 @@ from .rng import rng
 
 JOINT_PASSES = (block_partition, recompute)
 INFERENCE_PASSES = (block_partition,)
-GRAPH_PASSES = (lower_matmul_4bit, rng, lower_rng, lower_regions, prefetch, residency, offload)
+GRAPH_PASSES = (lower_matmul_4bit, rng, lower_rng, lower_regions, prefetch, residency, offload, capture_regions)
 REGION_PASSES = (lower_matmul_4bit, reshape_views)
 
-__all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "REGION_PASSES", "block_partition", "lower_matmul_4bit",
+__all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "REGION_PASSES", "block_partition", "capture_regions",
+           "lower_matmul_4bit",
            "lower_regions", "lower_rng", "offload", "prefetch", "recompute", "reshape_views", "residency", "rng"]

@@ -35,6 +35,9 @@ from poros_fx.runtime.draws import REGION_DRAWS, CalledDraws
 
 from .block_partition import BLOCK
 
+# node.meta of a region call: (the runner, the RNG wrapper calling it or None, the runner's argument slot in it)
+RUNNER = "poros_region_runner"
+
 
 def _op_slot(node: fx.Node) -> int | None:
     """Where the region op sits in ``node``: -1 (it is the target), ``i`` (``args[i]``: an RNG wrapper
@@ -70,10 +73,11 @@ def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
         compile_for(region, schedule.codegen)
         forward, backward = runners(region, schedule.codegen)
         runner = forward if op is REGION else backward
+        n.meta[RUNNER] = (runner, None if slot < 0 else n.target, slot)
         if slot < 0:
             n.target = runner
         else:  # the wrapper calls the runner (generated code cannot hold a function as an argument)
-            n.target, n.args = _calling(n.target, slot, runner), (*n.args[:slot], *n.args[slot + 1:])
+            n.target, n.args = calling(n.target, slot, runner), (*n.args[:slot], *n.args[slot + 1:])
         n.meta[ROLE] = (region, "forward" if op is REGION else "backward")
         if op is REGION:
             n.meta[REGION_DRAWS] = CalledDraws.bound(region.draws[schedule.codegen], region.signature.symbols, values)
@@ -83,7 +87,7 @@ def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     return gm
 
 
-def _calling(wrapper: Callable, slot: int, runner: Callable) -> Callable:
+def calling(wrapper: Callable, slot: int, runner: Callable) -> Callable:
     """``wrapper`` (an RNG save / restore) with ``runner`` in its argument ``slot``."""
 
     def call(*args: Any) -> Any:

@@ -99,6 +99,8 @@ class PorosOptions:
     # None: what prepare() was given (default False)
     save_activations: int = 0  # the last N decoder-layer blocks keep their activations for the backward
     # instead of recomputing them (passes/recompute.py); their base is still reloaded for the backward
+    cuda_graphs: bool = False  # region calls captured in CUDA graphs and replayed (runtime/cuda_graphs.py);
+    # CUDA only
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "PorosOptions":
@@ -112,7 +114,7 @@ class PorosOptions:
                             0 if opts.prefetch is None else opts.prefetch)
         check_codegen(opts.codegen)
         parse_size(opts.memory_budget)
-        for name in ("stream", "group_copies", "turnaround"):
+        for name in ("stream", "group_copies", "turnaround", "cuda_graphs"):
             if not isinstance(getattr(opts, name), bool):
                 raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")
         for name in ("block_major", "chunked_loss", "offload_boundaries"):

@@ -30,7 +30,10 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     that run it, and its trace and compile seconds per codegen; empty with ``regions=False``),
     ``memory_budget`` (bytes or ``None``) and ``residency_plan`` (``None`` until the first step of a model
     with a budget; then the blocks kept resident, their bytes, the measured streamed peak, the predicted
-    peak and the base bytes copied per micro-batch with and without the plan; ``runtime/budget.py``).
+    peak and the base bytes copied per micro-batch with and without the plan; ``runtime/budget.py``),
+    ``cuda_graphs`` (``None`` unless ``options={"cuda_graphs": True}``; then the region calls captured, replayed,
+    run uncaptured while warming up or beyond the chains kept, or fallen back from a recorded graph, the input
+    bytes copied into graphs, the pool tensors copied out, and the pool's bytes: ``runtime/cuda_graphs.py``).
     """
     store = get_store(model)
     if store is None:
@@ -45,7 +48,8 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
                residency_plan=store.plan.as_dict() if store.plan is not None else None,
                regions=[{"name": r.name, "layers": list(r.layers), "trace_s": round(r.trace_seconds, 3),
                          "compile_s": {k: round(v, 3) for k, v in r.compile_seconds.items()}}
-                        for r in (store.regions.regions if store.regions is not None else [])])
+                        for r in (store.regions.regions if store.regions is not None else [])],
+               cuda_graphs=store.region_graphs.as_dict() if store.region_graphs is not None else None)
     if reset:
         ledger.reset()
     return out

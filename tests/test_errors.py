@@ -26,6 +26,8 @@ def test_bad_prepare_options(kwargs, match):
     ({"group_copies": 1}, "group_copies must be True or False"),
     ({"prefetch": "deep"}, "prefetch must be an integer >= 0 .* or 'auto'"),
     ({"blocksize": 2}, "unknown poros option"),
+    ({"cuda_graphs": 1}, "cuda_graphs must be True or False"),
+    ({"cuda_graphs": True}, "captures CUDA kernels; this model computes on cpu"),
 ])
 def test_bad_backend_options(options, match):
     model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")

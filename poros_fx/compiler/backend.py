@@ -32,6 +32,7 @@ from ..passes.rng import PHASE
 from ..errors import PorosConfigError
 from ..handles import CHECKPOINTING_MESSAGE, ENTRY_ATTR
 from ..options import AUTO, PorosOptions
+from ..runtime.cuda_graphs import RegionGraphs
 from ..runtime.depth import choose_prefetch
 from ..runtime.executor import GraphRuntime
 from ..runtime.store import HostStore
@@ -155,6 +156,18 @@ def _reused_by_backward(schedule: Schedule, phase: str, store_head_chunks: int) 
     return frozenset({head, head - 1} if schedule.prefetch >= 1 else {head})
 
 
+def _check_cuda_graphs(schedule: Schedule) -> None:
+    """``options={"cuda_graphs": True}`` needs a CUDA device, and a step whose saved tensors no copy stream
+    reads after the graph's run (``offload_boundaries`` copies them to the host on the copy stream)."""
+    if schedule.device.type != "cuda":
+        raise PorosConfigError(f"options={{'cuda_graphs': True}} captures CUDA kernels; this model computes on "
+                               f"{schedule.device}. Leave the option out on the CPU")
+    if schedule.offload_boundaries and schedule.stream:
+        raise PorosConfigError("options={'cuda_graphs': True} cannot be combined with offload_boundaries (the copy "
+                               "stream reads the saved activations after the step's run, where a replay may write); "
+                               "use one of the two")
+
+
 def _check_no_checkpointing(gm: fx.GraphModule) -> None:
     """Dynamo captures ``torch.utils.checkpoint`` (Hugging Face gradient checkpointing switched on after
     ``prepare``, or the user's own) as a ``tag_activation_checkpoint`` call; its recompute tags would
@@ -198,6 +211,10 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
                 store.forget_plan()
                 store.memory_budget = budget
         _check_chunked_loss(opts, store)
+        if opts.cuda_graphs:
+            _check_cuda_graphs(schedule)
+            if store.region_graphs is None:
+                store.region_graphs = RegionGraphs(store.device)
         if schedule.offload_boundaries and schedule.stream and schedule.device.type == "cuda":
             warnings.warn(OFFLOAD_CUDA_WARNING, stacklevel=2)
         store.schedules.append(schedule)

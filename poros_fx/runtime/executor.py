@@ -128,6 +128,9 @@ class GraphRuntime:
         self._waited: Any = None  # the done event the compute stream waited for last
         self._plans: dict[tuple[int, ...], GroupPlan] = {}  # host addresses of a group -> its layout
         self._draws: Any = None  # (a forward's draws in its symbols, how a run binds them, the last binding's)
+        # region calls go through CUDA graphs (options={"cuda_graphs": True}, runtime/cuda_graphs.py)
+        self.cuda_graphs = bool(schedule is not None and schedule.options.cuda_graphs)
+        self._graph_key = object()  # this graph, in the keys of its runs' graphs
 
     @property
     def store(self) -> HostStore | None:
@@ -331,8 +334,18 @@ class GraphRuntime:
                 return self._run(lambda: compiled(args))
             step = self.store.accumulation
             if step is not None and self.block_major:
-                return step.call(self, compiled, args)
-            return self.execute(lambda: compiled(args), size=self.input_elements(args))
+                return step.call(self, compiled, args)  # its region calls run uncaptured
+            graphs = self.store.region_graphs if self.cuda_graphs else None
+            if graphs is None:
+                return self.execute(lambda: compiled(args), size=self.input_elements(args))
+            size = self.input_elements(args)
+            graphs.begin((self._graph_key, self.input_shapes(args)), self.is_resident)
+            try:
+                out = self.execute(lambda: compiled(args), size=size)
+            except BaseException:
+                graphs.abandon()
+                raise
+            return graphs.end(out)
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
@@ -354,6 +367,20 @@ class GraphRuntime:
             self._drop_copies_for_backward()
             budget.measure_and_plan(self.store)  # after the first step: which blocks stay resident
         return out
+
+    def input_shapes(self, args: list[Any]) -> tuple[Any, ...]:
+        """Sizes, strides and dtypes of a run's own inputs (``input_elements``' positions): what the sizes of
+        its region calls follow from (runtime/cuda_graphs.py keys a run's graphs by them)."""
+        if self._data_positions is None:
+            self.input_elements(args)
+        return tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a := args[i], torch.Tensor) else None
+                     for i in self._data_positions)
+
+    def is_resident(self, t: torch.Tensor) -> bool:
+        """``t`` is a base tensor kept on the device at one address (a block the budget keeps, or a
+        ``stream=False`` copy), which a CUDA graph may read in place."""
+        store = self.store
+        return id(t) in store.kept_ids or (not self.stream and any(v is t for v in store.resident_cache.values()))
 
     def input_elements(self, args: list[Any]) -> int:
         """Elements of a run's own inputs (token ids, labels, masks: not the model's parameters or base

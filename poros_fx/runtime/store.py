@@ -102,6 +102,7 @@ class HostStore:
     block_major: bool = True  # accumulation steps run block-major (prepare's; options={"block_major": ...} wins)
     accumulation: Any = None  # runtime.accumulate.BlockMajorStep of the optimizer step in flight, if block-major
     block_major_warned: bool = False  # a step ran micro-batch-major instead and said why (once per model)
+    region_graphs: Any = None  # runtime.cuda_graphs.RegionGraphs of the region calls (options={"cuda_graphs": True})
     _copy_stream: Any = dataclasses.field(default=None, repr=False)
 
     def block_bytes(self) -> list[int]:

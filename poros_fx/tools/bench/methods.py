@@ -47,6 +47,7 @@ class Method:
     models: tuple[str, ...] | None = None  # only these models (None: all)
     budget: bool = False  # setup also takes memory_budget= (the run's --memory-budget)
     own_process: bool = False  # measured in a process of its own on a checkpoint (unsloth.py), not on the model
+    warmup: int = 1  # untimed steps at least (CUDA graphs: the first step warms up, the second records)
 
 
 def _peft_resident(model: nn.Module, block_size: int | None) -> Runner:
@@ -101,6 +102,7 @@ def _poros_teardown(model: nn.Module) -> Callable[[], None]:
         store = get_store(model)
         if store is not None:
             store.resident_cache.clear()  # stream=False keeps device copies; the next row must not see them
+            store.region_graphs = None  # a row's CUDA graphs and their memory pool go with it
             store.schedules.clear()  # each compiled graph's schedule and runtime: dead once the row is over
 
     return teardown
@@ -135,14 +137,18 @@ _poros_chunked_loss = _poros_with(chunked_loss=True)
 _poros_long = _poros_with(chunked_loss=True, offload_boundaries=True)
 EVERY_LAYER = 1 << 30  # save_activations counts layer blocks from the last; more than a model has means all
 _poros_saved = _poros_with(save_activations=EVERY_LAYER)
+_poros_graphs = _poros_with(cuda_graphs=True)
+_poros_saved_graphs = _poros_with(save_activations=EVERY_LAYER, cuda_graphs=True)
 
 
 def _poros_budget(model: nn.Module, block_size: int | None, memory_budget: str | None = None,
-                  save_activations: int = 0) -> Runner:
+                  save_activations: int = 0, cuda_graphs: bool = False) -> Runner:
     """Streamed with ``options={"memory_budget": ...}``: the first step measures, then blocks that fit
-    stay resident (runtime/budget.py); ``save_activations``: that many layer blocks keep their activations."""
+    stay resident (runtime/budget.py); ``save_activations``: that many layer blocks keep their activations;
+    ``cuda_graphs``: region calls replayed from CUDA graphs."""
 
-    runner = _poros_with(memory_budget=memory_budget, save_activations=save_activations)(model, block_size)
+    runner = _poros_with(memory_budget=memory_budget, save_activations=save_activations,
+                         cuda_graphs=cuda_graphs)(model, block_size)
     clear = runner.teardown
 
     def teardown() -> None:
@@ -159,6 +165,16 @@ def _poros_budget_saved(model: nn.Module, block_size: int | None, memory_budget:
     """``_poros_budget`` with every layer block's activations saved: kept blocks are neither reloaded nor
     recomputed; streamed ones are reloaded, not recomputed."""
     return _poros_budget(model, block_size, memory_budget, save_activations=EVERY_LAYER)
+
+
+def _poros_budget_graphs(model: nn.Module, block_size: int | None, memory_budget: str | None = None) -> Runner:
+    """``_poros_budget`` with the region calls replayed from CUDA graphs."""
+    return _poros_budget(model, block_size, memory_budget, cuda_graphs=True)
+
+
+def _poros_budget_saved_graphs(model: nn.Module, block_size: int | None, memory_budget: str | None = None) -> Runner:
+    """``_poros_budget_saved`` with the region calls replayed from CUDA graphs."""
+    return _poros_budget(model, block_size, memory_budget, save_activations=EVERY_LAYER, cuda_graphs=True)
 
 
 def _own_process(model: nn.Module, block_size: int | None) -> Runner:
@@ -190,6 +206,15 @@ METHODS: Mapping[str, Method] = types.MappingProxyType({
     "poros_saved": Method("poros_saved", "prepared", _poros_saved, compiled=True, streams=True, per_block_size=True),
     "poros_budget_saved": Method("poros_budget_saved", "prepared", _poros_budget_saved, compiled=True, streams=True,
                                  per_block_size=True, budget=True),
+    # region calls captured in CUDA graphs and replayed (runtime/cuda_graphs.py): step 1 warms up, step 2 records
+    "poros_graphs": Method("poros_graphs", "prepared", _poros_graphs, compiled=True, streams=True, per_block_size=True,
+                           warmup=2),
+    "poros_saved_graphs": Method("poros_saved_graphs", "prepared", _poros_saved_graphs, compiled=True, streams=True,
+                                 per_block_size=True, warmup=2),
+    "poros_budget_graphs": Method("poros_budget_graphs", "prepared", _poros_budget_graphs, compiled=True,
+                                  streams=True, per_block_size=True, budget=True, warmup=2),
+    "poros_budget_saved_graphs": Method("poros_budget_saved_graphs", "prepared", _poros_budget_saved_graphs,
+                                        compiled=True, streams=True, per_block_size=True, budget=True, warmup=2),
     # accumulation micro-batch after micro-batch, each copying the base (the default runs them block-major)
     "poros_micro_major": Method("poros_micro_major", "prepared", _poros_micro_major, compiled=True, streams=True,
                                 per_block_size=True),

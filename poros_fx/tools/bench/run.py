@@ -175,7 +175,7 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
         first = step()
         row["compile_cache"] = {k: v - cache_before.get(k, 0) for k, v in compile_cache_counters().items()
                                 if v != cache_before.get(k, 0)}  # hits and misses of the first step's compiles
-        for _ in range(config.warmup - 1):
+        for _ in range(max(config.warmup, method.warmup) - 1):
             step()
         if method.streams:
             stats(model, reset=True)
@@ -217,6 +217,11 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
                 row["prefetch_note"] = schedules[-1].prefetch_note
         if device.type == "cuda":
             row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
+            graphs = stats(model)["cuda_graphs"] if method.streams else None
+            if graphs is not None:  # replays write the pool, which max_memory_allocated does not see: added on top
+                row["cuda_graphs"] = {k: v for k, v in graphs.items() if k != "broken"} | {"broken": len(graphs["broken"])}
+                row["graph_pool_gb"] = round(graphs["pool_bytes"] / 1e9, 3)
+                row["peak_gb"] = round(row["peak_gb"] + row["graph_pool_gb"], 3)
         if config.profile_dir is not None:  # after the peak is read: the profiler allocates too
 
             slug = _label(spec).replace(" ", "-").replace(".", "")

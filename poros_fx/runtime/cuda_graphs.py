@@ -1,0 +1,401 @@
+"""CUDA graphs of region calls: a step's region kernels launched by one replay each, not one by one from Python.
+
+A streamed 7B step launches ~6,000 kernels from Python and the GPU waits for them (docs/benchmarks.md).
+With ``options={"cuda_graphs": True}`` each call of a compiled region (a decoder layer's forward, its
+recompute, its backward) is captured once into a ``torch.cuda.CUDAGraph`` and replayed afterwards: the
+same kernels on the same inputs, so the same bits, for one launch.
+
+**Sites and chains.** A *site* is one region call of one compiled graph (the node that calls it). The
+region calls of one run of an outer graph (a step's forward, or its backward) form a *chain*, keyed by
+the run's input sizes and the host values its first region call reads (the CPU scalar that picks the
+attention kernel); every graph of a chain is captured in the run that records it, in call order, into
+one memory pool the model's chains share. A chain runs uncaptured ``WARMUP_RUNS`` times (Inductor
+loads and autotunes its kernels on a first call; capturing that would fail), is recorded on the next
+run (each call captured, then replayed for its real outputs) and replayed from then on::
+
+    run 1 (warmup):  forward region layers.0 .. layers.N uncaptured
+    run 2 (record):  capture layers.0, replay it; capture layers.1, replay it; ...
+    run 3, 4, ...:   copy the inputs that moved into the graphs' own buffers; replay layers.0, layers.1, ...
+
+**Memory.** A graph writes where its capture allocated. Replays hand out tensors over those bytes that
+the allocator does not know about, so two rules keep them from being overwritten while in use: (1) a
+pool allocation is made only while recording, when nothing replayed is alive; (2) at the end of every
+outer run the tensors it returns that lie in the pool (a forward's saved boundary activations, a
+backward's adapter gradients) are copied out (``end``), so the pool is dead between runs and any chain
+may replay next. Within a run the calls free their tensors where the recording run did (the outer graph
+is straight-line code, run boxed), so a replay finds its bytes as its capture left them.
+
+**Inputs.** Each tensor input of a captured call is read in place (*direct*: an adapter parameter, a block
+kept resident, an earlier replay's output: the same address every run) or copied into the graph's own
+buffer before the replay (*copy*: a streamed block's load, a mask, the embedding's output: a new tensor
+every run). A CPU tensor (a host scalar the region branches on) keys the graph by its values. A replay
+whose direct input moved, or whose key was never recorded, runs uncaptured instead (counted in
+``stats()["graph_fallbacks"]``): the same kernels, so still exact, only slower.
+
+Not captured: block-major accumulation steps (``runtime/accumulate.py`` runs several micro-batches'
+calls interleaved) and boundary offloading (``passes/offload.py``: the copy stream reads a saved tensor
+after the run). The pool is not counted by ``torch.cuda.max_memory_allocated`` while graphs replay;
+``pool_bytes`` is what it holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+
+logger = logging.getLogger("poros_fx")
+
+WARMUP_RUNS = 1  # uncaptured runs of a chain before it is recorded
+MAX_CHAINS = 16  # chains recorded per model (sizes x host values x graphs); runs of any other run uncaptured
+HOST_VALUES = 16  # a CPU tensor input up to this many elements keys a graph by its values; a larger one is not captured
+
+DIRECT, COPY, HOST, OTHER = "direct", "copy", "host", "other"
+
+
+class CaptureRefused(Exception):
+    """A call whose inputs a graph cannot take (a large CPU tensor)."""
+
+
+@dataclasses.dataclass
+class InputSlot:
+    """How a captured call takes one input."""
+
+    kind: str  # DIRECT, COPY, HOST or OTHER (not a tensor: passed as it is)
+    ptr: int = 0  # DIRECT: the address the graph reads
+    shape: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    buffer: torch.Tensor | None = None  # COPY: a tensor over the graph's own input buffer (not owning it)
+
+
+@dataclasses.dataclass
+class OutputSlot:
+    """Where a captured call's output lies: in the pool (``tensor`` views it, not owning it) or in the
+    storage of input ``source`` (a view of a direct input)."""
+
+    source: int  # -1: the pool
+    tensor: torch.Tensor | None = None
+    offset: int = 0
+    shape: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
+
+
+@dataclasses.dataclass
+class Captured:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: list[InputSlot]
+    outputs: list[OutputSlot]
+    pool_storages: frozenset[int]  # data pointers of the pool storages its outputs lie in
+
+
+@dataclasses.dataclass
+class Chain:
+    runs: int = 0  # runs seen (warmup, then the recording one)
+    broken: str | None = None  # why it runs uncaptured for good (a capture failed)
+    graphs: dict[Any, Captured] = dataclasses.field(default_factory=dict)  # (site, host values) -> graph
+
+
+@dataclasses.dataclass
+class Counters:
+    captures: int = 0
+    replays: int = 0
+    fallbacks: int = 0  # region calls of a recorded chain run uncaptured
+    uncaptured: int = 0  # region calls of a chain warming up, broken or beyond MAX_CHAINS
+    copied_bytes: int = 0  # input bytes copied into graphs' buffers before replays
+    escaped: int = 0  # pool tensors an outer run returned, copied out
+
+
+@dataclasses.dataclass
+class Run:
+    """One outer graph run in flight."""
+
+    key: Any  # the outer graph and its inputs' sizes
+    is_resident: Callable[[torch.Tensor], bool]  # a tensor the runtime keeps at one address (a kept block)
+    chain: Chain | None = None
+    mode: str = ""  # "uncaptured", "record" or "replay", decided at the first region call
+    pool_storages: set[int] = dataclasses.field(default_factory=set)
+
+
+class RegionGraphs:
+    """The CUDA graphs of one prepared model's region calls, in one memory pool."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+        self.chains: dict[Any, Chain] = {}
+        self.counters = Counters()
+        self.run: Run | None = None
+        self.warned: set[str] = set()
+
+    # -- the outer run ------------------------------------------------------------------------------------
+
+    def begin(self, key: Any, is_resident: Callable[[torch.Tensor], bool]) -> None:
+        self.run = Run(key, is_resident)
+
+    def end(self, outputs: Any) -> Any:
+        """``outputs`` with every tensor that lies in the pool replaced by a copy (aliases kept together)."""
+        run, self.run = self.run, None
+        if run is None or not run.pool_storages or not isinstance(outputs, (list, tuple)):
+            return outputs
+        copies: dict[int, Any] = {}
+        out = list(outputs)
+        for i, o in enumerate(out):
+            if not isinstance(o, torch.Tensor) or o.device.type != "cuda":
+                continue
+            storage = o.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in run.pool_storages:
+                continue
+            copy = copies.get(ptr)
+            if copy is None:
+                copy = copies[ptr] = storage.clone()
+                self.counters.escaped += 1
+            out[i] = torch.empty(0, dtype=o.dtype, device=o.device).set_(copy, o.storage_offset(), o.shape, o.stride())
+        return type(outputs)(out) if isinstance(outputs, tuple) else out
+
+    def abandon(self) -> None:
+        """The outer run raised: nothing of it is replayed into."""
+        self.run = None
+
+    # -- a region call --------------------------------------------------------------------------------------
+
+    def call(self, site: str, fn: Callable[[list], list], inputs: list) -> list:
+        run = self.run
+        if run is None:  # not inside a run the runtime captures (block-major accumulation)
+            return fn(inputs)
+        if not run.mode:
+            self._start(run, inputs)
+        if run.mode == "uncaptured":
+            self.counters.uncaptured += 1
+            return fn(inputs)
+        try:
+            key = (site, _host_values(inputs))
+        except CaptureRefused as e:
+            self._warn(site, f"region call {site} runs uncaptured: {e}")
+            self.counters.fallbacks += 1
+            return fn(inputs)
+        if run.mode == "record":
+            return self._record(run, key, fn, inputs)
+        captured = run.chain.graphs.get(key)
+        if captured is None or not self._fits(captured, inputs):
+            self._warn(site, f"region call {site} runs uncaptured: its inputs are not where its graph was recorded "
+                             "(a new host value, or a tensor that moved)")
+            self.counters.fallbacks += 1
+            return fn(inputs)
+        return self._replay(run, captured, inputs)
+
+    def _start(self, run: Run, inputs: list) -> None:
+        """Pick the run's chain at its first region call, and whether it warms up, records or replays."""
+        try:
+            key = (run.key, _host_values(inputs))
+        except CaptureRefused:
+            run.mode = "uncaptured"
+            return
+        chain = self.chains.get(key)
+        if chain is None:
+            if len(self.chains) >= MAX_CHAINS:
+                self._warn("chains", f"more than {MAX_CHAINS} input shapes: new ones run without CUDA graphs")
+                run.mode = "uncaptured"
+                return
+            chain = self.chains[key] = Chain()
+        run.chain = chain
+        if chain.broken is not None:
+            run.mode = "uncaptured"
+        elif chain.graphs:
+            run.mode = "replay"
+        else:
+            chain.runs += 1
+            run.mode = "record" if chain.runs > WARMUP_RUNS else "uncaptured"
+
+    def _record(self, run: Run, key: Any, fn: Callable[[list], list], inputs: list) -> list:
+        slots = [self._slot(run, t) for t in inputs]
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
+        rng = torch.cuda.get_rng_state(self.index)  # capture draws nothing; kept as it was all the same
+        self.stream.wait_stream(current)
+        placeholders: list[torch.Tensor | None] = []
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                torch._C._cuda_clearCublasWorkspaces()  # cuBLAS's workspace for this stream comes from the pool
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    call_inputs = []
+                    for t, slot in zip(inputs, slots):
+                        if slot.kind == COPY:
+                            buffer = _unfilled(t)
+                            placeholders.append(buffer)
+                            call_inputs.append(buffer)
+                        else:
+                            placeholders.append(None)
+                            call_inputs.append(t)
+                    outputs = fn(call_inputs)
+                finally:
+                    graph.capture_end()
+                torch._C._cuda_clearCublasWorkspaces()
+        except Exception as e:  # a kernel that cannot be captured: this chain runs uncaptured from now on
+            current.wait_stream(self.stream)
+            torch.cuda.set_rng_state(rng, self.index)
+            self._break(run, f"{type(e).__name__}: {e}")
+            self.counters.uncaptured += 1
+            return fn(inputs)
+        current.wait_stream(self.stream)
+        torch.cuda.set_rng_state(rng, self.index)
+        for t, slot, buffer in zip(inputs, slots, placeholders):
+            if buffer is not None:
+                slot.buffer = _alias(buffer)
+                buffer.copy_(t)
+        graph.replay()
+        self.counters.captures += 1
+        try:
+            captured = self._describe(graph, inputs, slots, outputs)
+        except CaptureRefused as e:  # its outputs are real (the replay made them), later runs go uncaptured
+            self._break(run, str(e))
+            return outputs
+        run.chain.graphs[key] = captured
+        run.pool_storages |= captured.pool_storages
+        return outputs
+
+    def _break(self, run: Run, reason: str) -> None:
+        run.chain.broken = reason
+        run.chain.graphs.clear()
+        run.mode = "uncaptured"
+        self._warn("broken", f"a region call could not be captured in a CUDA graph; runs of this shape go without "
+                             f"graphs ({reason})")
+
+    def _slot(self, run: Run, t: Any) -> InputSlot:
+        if not isinstance(t, torch.Tensor):
+            return InputSlot(OTHER)
+        if t.device.type == "cpu":
+            return InputSlot(HOST)
+        shape, stride = tuple(t.shape), tuple(t.stride())
+        if ((t.requires_grad and t.is_leaf) or t.untyped_storage().data_ptr() in run.pool_storages
+                or run.is_resident(t)):
+            return InputSlot(DIRECT, t.data_ptr(), shape, stride)
+        return InputSlot(COPY, 0, shape, stride)
+
+    def _describe(self, graph: Any, inputs: list, slots: list[InputSlot], outputs: list) -> Captured:
+        # an output may be (a view of) an input the graph reads in place: rebuilt over that input at each replay
+        passed = {t.untyped_storage().data_ptr(): j for j, (t, s) in enumerate(zip(inputs, slots))
+                  if s.kind in (DIRECT, HOST)}
+        described, pool = [], set()
+        storages: dict[int, Any] = {}
+        for o in outputs:
+            if not isinstance(o, torch.Tensor):
+                described.append(OutputSlot(-2))
+                continue
+            storage = o.untyped_storage()
+            ptr = storage.data_ptr()
+            place = dict(offset=o.storage_offset(), shape=tuple(o.shape), stride=tuple(o.stride()), dtype=o.dtype)
+            if ptr in passed:
+                described.append(OutputSlot(passed[ptr], **place))
+                continue
+            if o.device.type != "cuda":
+                raise CaptureRefused("the region makes a CPU tensor (a replay would not remake it)")
+            pool.add(ptr)
+            if ptr not in storages:
+                storages[ptr] = torch._C._construct_storage_from_data_pointer(ptr, o.device, storage.nbytes())
+            view = torch.empty(0, dtype=o.dtype, device=o.device).set_(storages[ptr], o.storage_offset(), o.shape,
+                                                                      o.stride())
+            described.append(OutputSlot(-1, view, **place))
+        return Captured(graph, slots, described, frozenset(pool))
+
+    def _fits(self, captured: Captured, inputs: list) -> bool:
+        if len(inputs) != len(captured.inputs):
+            return False
+        for t, slot in zip(inputs, captured.inputs):
+            if slot.kind == DIRECT:
+                if t.data_ptr() != slot.ptr or t.shape != slot.shape or t.stride() != slot.stride:
+                    return False
+            elif slot.kind == COPY:
+                if t.shape != slot.shape or t.stride() != slot.stride:
+                    return False
+        return True
+
+    def _replay(self, run: Run, captured: Captured, inputs: list) -> list:
+        copied = 0
+        for t, slot in zip(inputs, captured.inputs):
+            if slot.kind == COPY:
+                slot.buffer.copy_(t)
+                copied += t.nbytes
+        passed = {s.source: inputs[s.source].untyped_storage() for s in captured.outputs if s.source >= 0}
+        inputs.clear()  # boxed: the caller's list is released, as an uncaptured call releases it
+        captured.graph.replay()
+        self.counters.replays += 1
+        self.counters.copied_bytes += copied
+        run.pool_storages |= captured.pool_storages
+        out: list[Any] = []
+        for slot in captured.outputs:
+            if slot.source == -1:
+                out.append(slot.tensor)
+            elif slot.source == -2:
+                out.append(None)
+            else:
+                out.append(torch.empty(0, dtype=slot.dtype, device=passed[slot.source].device).set_(
+                    passed[slot.source], slot.offset, slot.shape, slot.stride))
+        return out
+
+    def pool_bytes(self) -> int:
+        """Device bytes the pool holds (reserved segments), 0 before anything was captured."""
+        if not self.counters.captures:
+            return 0
+        pool = tuple(self.pool)
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                   if tuple(s.get("segment_pool_id", ())) == pool and s.get("device") == self.index)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self.counters)
+        out.update(chains=len(self.chains), recorded=sum(1 for c in self.chains.values() if c.graphs),
+                   broken=[c.broken for c in self.chains.values() if c.broken], pool_bytes=self.pool_bytes())
+        return out
+
+    def _warn(self, kind: str, message: str) -> None:
+        if kind not in self.warned:
+            self.warned.add(kind)
+            logger.warning("poros: %s", message)
+
+
+def _unfilled(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor laid out as ``t``. Not ``torch.empty``: under deterministic algorithms it
+    fills new memory with NaN, and inside a capture that fill would be part of the graph, replayed after
+    the input was copied in."""
+    elements = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
+    storage = torch.UntypedStorage(elements * t.element_size(), device=t.device)
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
+
+
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s bytes that does not own them (they stay the pool's once ``t`` is freed)."""
+    storage = torch._C._construct_storage_from_data_pointer(t.untyped_storage().data_ptr(), t.device,
+                                                            t.untyped_storage().nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
+
+
+def _host_values(inputs: list) -> tuple:
+    """The values of the CPU tensors among ``inputs`` (what a captured graph decided on the host)."""
+    values = []
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            if t.numel() > HOST_VALUES:
+                raise CaptureRefused(f"a CPU tensor input of {t.numel()} elements")
+            values.append((t.dtype, tuple(t.shape), tuple(t.reshape(-1).tolist())))
+    return tuple(values)
+
+
+def graph_site(runner: Callable[..., list], graphs: "weakref.ReferenceType[RegionGraphs]", site: str) -> Callable[..., list]:
+    """``runner`` (a region's forward or backward, ``compiler/regions/ops.runners``) with its calls captured
+    and replayed by ``graphs`` as ``site``."""
+
+    def call(inputs: list, *rest: Any) -> list:
+        found = graphs()
+        if found is None:
+            return runner(inputs, *rest)
+        return found.call(site, lambda ins: runner(ins, *rest), inputs)
+
+    call.__name__ = call.__qualname__ = f"graphed_{runner.__name__}"
+    return call

@@ -1,0 +1,89 @@
+"""GPU parity with CUDA graphs (``options={"cuda_graphs": True}``; ``pytest -m gpu``, skipped without CUDA).
+
+Four layers at hidden 256 with ``intermediate_size=1376`` (a width Inductor pads), bf16 and NF4 bases, both
+codegens, LoRA dropout 0.1, accumulation 2 micro-batch after micro-batch (block-major runs uncaptured),
+deterministic algorithms, and the user's inputs: two sequence lengths, one of them with a padding mask
+(its region calls read a host scalar: graphs keyed by it). Each (length, mask) comes often enough to warm up,
+be recorded and then be replayed. Streamed with graphs == ``stream=False`` with graphs == streamed without
+graphs; with the eager codegen also == the plain eager PEFT loop. The counters say graphs were replayed
+and no call fell back.
+"""
+
+import pytest
+import torch
+
+import poros_fx
+from poros_fx.tools.parity import SURFACES, compare, format_diffs, mode_toggles, train
+from poros_fx.tools.tiny import attention_batches, lora_model, tiny_config
+
+pytestmark = pytest.mark.gpu
+
+ACCUMULATE = 2
+EQUAL = {s: 0.0 for s in SURFACES}
+
+
+def _batches() -> list[dict]:
+    """Micro-batches alternating seq 128 without a mask and seq 96 left-padded (8 of each)."""
+    plain = attention_batches(8, seq=128, mode="none", vocab=1024, batch=1, seed=1)
+    padded = attention_batches(8, seq=96, mode="pad", vocab=1024, batch=2, seed=2)
+    out = []
+    for a, b in zip(plain, padded):
+        out += [a, b]
+    return [{k: v.cuda() for k, v in b.items()} for b in out]
+
+
+def _model(nf4: bool):
+    torch._dynamo.reset()
+    config = tiny_config("qwen2", layers=4, hidden=256, heads=4, kv_heads=2, vocab=1024, intermediate=1376)
+    return lora_model(config, dtype=torch.bfloat16, nf4=nf4, dropout=0.1, device="cuda")
+
+
+def _run(options, batches, *, nf4, codegen):
+    model = _model(nf4)
+    if options is None:
+        return train(model, model, batches, accumulate=ACCUMULATE), None
+    poros_fx.prepare(model, device="cuda", codegen=codegen)
+    step_model = torch.compile(model, backend="poros", options={"block_major": False, **options})
+    trace = train(model, step_model, batches, accumulate=ACCUMULATE)
+    return trace, poros_fx.stats(model)["cuda_graphs"]
+
+
+@pytest.mark.parametrize("codegen", ["inductor", "eager"])
+@pytest.mark.parametrize("nf4", [False, True], ids=["bf16", "nf4"])
+def test_gpu_cuda_graphs_equal(nf4, codegen, deterministic):
+    batches = _batches()
+    graphed, counters = _run({"cuda_graphs": True}, batches, nf4=nf4, codegen=codegen)
+    print(f"\ncuda graphs ({codegen}, {'nf4' if nf4 else 'bf16'}): {counters}")
+    assert counters["broken"] == [] and counters["fallbacks"] == 0, counters
+    assert counters["captures"] > 0 and counters["replays"] > 2 * counters["captures"], counters
+    resident, resident_counters = _run({"cuda_graphs": True, "stream": False}, batches, nf4=nf4, codegen=codegen)
+    assert resident_counters["replays"] > 0, resident_counters
+    assert compare(graphed, resident) == EQUAL, format_diffs("graphs vs stream=False + graphs", compare(graphed, resident))
+    plain, _ = _run({}, batches, nf4=nf4, codegen=codegen)
+    assert compare(graphed, plain) == EQUAL, format_diffs("graphs vs no graphs", compare(graphed, plain))
+    if codegen == "eager":
+        eager, _ = _run(None, batches, nf4=nf4, codegen=codegen)
+        assert compare(graphed, eager) == EQUAL, format_diffs("graphs vs the eager loop", compare(graphed, eager))
+
+
+def test_gpu_cuda_graphs_mode_toggles(deterministic):
+    """Train, eval with grad, eval under no_grad, the adapter off: three rounds, so each mode's graph is
+    recorded and then replayed; equal to the same loop without graphs."""
+    batches = _batches()
+
+    def toggles(options):
+        model = _model(nf4=True)
+        poros_fx.prepare(model, device="cuda")
+        step_model = torch.compile(model, backend="poros", options={"block_major": False, **options})
+        out = []
+        for r in range(3):
+            recorded, _ = mode_toggles(model, step_model, batches[4 * r:4 * r + 4])
+            out += recorded
+        return out, poros_fx.stats(model)["cuda_graphs"]
+
+    graphed, counters = toggles({"cuda_graphs": True})
+    plain, _ = toggles({})
+    assert counters["replays"] > 0 and counters["fallbacks"] == 0, counters
+    assert len(graphed) == len(plain)
+    for i, (a, b) in enumerate(zip(graphed, plain)):
+        assert torch.equal(a, b), f"value {i} differs with CUDA graphs"
