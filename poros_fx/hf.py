@@ -43,7 +43,8 @@ class PorosTrainer(transformers.Trainer):
     """``transformers.Trainer`` with the model's forward compiled by the ``poros`` backend.
 
     ``poros_options``: the backend's ``options`` (``block_size``, ``prefetch``, ``stream``, ``dump``,
-    ``codegen``, ``memory_budget``, ``chunked_loss``, ``offload_boundaries``, ``save_activations``) plus ``device``, the compute device for ``poros_fx.prepare`` (default: ``args.device``). A model
+    ``codegen``, ``memory_budget``, ``chunked_loss``, ``offload_boundaries``, ``save_activations``, ``cuda_graphs``)
+    plus ``device``, the compute device for ``poros_fx.prepare`` (default: ``args.device``). A model
     that is not prepared yet is prepared with ``device``, ``block_size`` and ``prefetch`` (default 1
     and ``"auto"``); a prepared one keeps its store, and ``block_size`` / ``prefetch`` here regroup the
     compiled graph only. Under ``torchrun`` / ``accelerate launch`` (``args.world_size > 1``) the host store

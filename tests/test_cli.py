@@ -107,3 +107,11 @@ def test_cuda_refused_cleanly_without_cuda(tmp_path):
               "cuda", check=False)
     assert res.returncode == 2 and "torch sees no CUDA device" in res.stdout + res.stderr
     assert "Traceback" not in res.stderr and not (tmp_path / "a").exists()
+
+
+def test_cuda_graphs_refused_cleanly_on_the_cpu(tmp_path):
+    """--cuda-graphs on a CPU run: one line saying why, before anything is loaded or written."""
+    res = cli("train", "--from-config", "qwen2.5-0.5b", "--data", "demo", "--out", str(tmp_path / "a"), "--device",
+              "cpu", "--cuda-graphs", check=False)
+    assert res.returncode == 2 and "cuda_graphs replays CUDA kernels" in res.stdout + res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "a").exists()

@@ -10,7 +10,8 @@ head first, then the last layers: the backward's first blocks, the ones a turn-a
 
 What the step itself adds on top of what was allocated when it started (its *transient*: boundary
 activations, of every micro-batch when they run block-major, the loaded blocks, gradients, logits)
-is measured once, in that first step. What stays allocated between steps can grow after it: the
+is measured once, in that first step. With CUDA graphs (``runtime/cuda_graphs.py``) a step that replays
+them counts their pool too, which the allocator's counters do not see while a graph writes it. What stays allocated between steps can grow after it: the
 optimizer's state appears at the first ``optimizer.step()``, after the first step's backward. So every
 later training forward checks ``allocated now (less the kept blocks) + transient + kept blocks``
 against the budget before it runs, and gives kept blocks back (the earliest layers first) until it
@@ -157,6 +158,7 @@ def start_measuring(store: Any, size: int) -> None:
     store.ledger.start_step()
     if store.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(store.device)
+    store.budget_captures = store.region_graphs.counters.captures if store.region_graphs is not None else 0
 
 
 def measure_and_plan(store: Any) -> None:
@@ -166,6 +168,12 @@ def measure_and_plan(store: Any) -> None:
         return
     if store.device.type == "cuda":
         peak, how = torch.cuda.max_memory_allocated(store.device), "cuda: max_memory_allocated over the step"
+        graphs = store.region_graphs
+        if graphs is not None and graphs.counters.captures == store.budget_captures:
+            # replayed CUDA graphs write their pool, which the allocator's counters do not see (a step that
+            # recorded allocated its pool's tensors like any other, and max_memory_allocated saw them)
+            peak += graphs.pool_bytes()
+            how += " + the CUDA graphs' pool"
     else:
         peak, how = store.ledger.step_peak, "cpu: base bytes on the device (ledger)"
     if store.budget_measuring:

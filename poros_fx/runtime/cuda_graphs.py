@@ -132,6 +132,7 @@ class RegionGraphs:
         self.counters = Counters()
         self.run: Run | None = None
         self.warned: set[str] = set()
+        self._pool_bytes = (0, 0)  # (captures when measured, bytes)
 
     # -- the outer run ------------------------------------------------------------------------------------
 
@@ -341,18 +342,26 @@ class RegionGraphs:
         return out
 
     def pool_bytes(self) -> int:
-        """Device bytes the pool holds (reserved segments), 0 before anything was captured."""
+        """Device bytes the pool holds (its reserved segments; they change only while recording), 0 before
+        anything was captured."""
         if not self.counters.captures:
             return 0
-        pool = tuple(self.pool)
-        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-                   if tuple(s.get("segment_pool_id", ())) == pool and s.get("device") == self.index)
+        if self._pool_bytes[0] != self.counters.captures:
+            pool = tuple(self.pool)
+            size = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                       if tuple(s.get("segment_pool_id", ())) == pool and s.get("device") == self.index)
+            self._pool_bytes = (self.counters.captures, size)
+        return self._pool_bytes[1]
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self.counters)
         out.update(chains=len(self.chains), recorded=sum(1 for c in self.chains.values() if c.graphs),
                    broken=[c.broken for c in self.chains.values() if c.broken], pool_bytes=self.pool_bytes())
         return out
+
+    def note_uncaptured(self, kind: str, message: str) -> None:
+        """A run the runtime does not hand to the graphs (block-major accumulation): said once per kind."""
+        self._warn(kind, message)
 
     def _warn(self, kind: str, message: str) -> None:
         if kind not in self.warned:

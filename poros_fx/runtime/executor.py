@@ -334,7 +334,11 @@ class GraphRuntime:
                 return self._run(lambda: compiled(args))
             step = self.store.accumulation
             if step is not None and self.block_major:
-                return step.call(self, compiled, args)  # its region calls run uncaptured
+                if self.cuda_graphs and self.store.region_graphs is not None:
+                    self.store.region_graphs.note_uncaptured(
+                        "block_major", "block-major accumulation steps run their region calls without CUDA graphs "
+                        "(several micro-batches' calls interleave); options={'block_major': False} replays them")
+                return step.call(self, compiled, args)
             graphs = self.store.region_graphs if self.cuda_graphs else None
             if graphs is None:
                 return self.execute(lambda: compiled(args), size=self.input_elements(args))

@@ -88,6 +88,7 @@ class HostStore:
     budget_measuring: bool = False  # the first step (fully streamed) is measuring its peak for the plan
     budget_start: int = 0  # bytes allocated when the step in flight started (runtime/budget.py)
     budget_size: int = 0  # input elements of the step being measured
+    budget_captures: int = 0  # CUDA graphs captured when the step in flight started (runtime/cuda_graphs.py)
     budget_notes: list[str] = dataclasses.field(default_factory=list)  # the plan's history across re-measurements
     plan: Any = None  # runtime.budget.ResidencyPlan, made after the first step when there is a budget
     kept_hosts: set[int] = dataclasses.field(default_factory=set)  # ids of host tensors the plan keeps resident

@@ -384,6 +384,9 @@ def train(ctx: typer.Context,
           save_activations: int = typer.Option(0, min=0, metavar="N", help="the last N decoder-layer blocks keep their "
                                                "activations for the backward instead of recomputing them (memory for "
                                                "time; the same bits)"),
+          cuda_graphs: bool = typer.Option(False, help="replay each decoder layer's kernels from CUDA graphs (CUDA only: "
+                                           "fewer host launches, the same bits, a graph memory pool on top; with "
+                                           "--accumulate N it needs --no-block-major)"),
           seed: int = typer.Option(0, help="seeds the LoRA init, dropout, data order (and --from-config weights)"),
           metrics: bool = typer.Option(True, help="write OUT/metrics.jsonl (and TensorBoard events when tensorboard is "
                                        "installed)"),
@@ -429,7 +432,7 @@ _OPTION_NAMES = ("model", "from_config", "data", "out", "quantization", "lora_r"
                  "accumulate", "block_size", "prefetch", "codegen", "device", "seed", "log_every", "save_every",
                  "memory_budget", "block_major", "warmup_steps", "schedule", "max_grad_norm", "eval_data", "eval_every",
                  "save_total_limit", "train_on", "split", "metrics", "chunked_loss", "offload_boundaries",
-                 "save_activations")
+                 "save_activations", "cuda_graphs")
 
 
 # -- eval -------------------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ from ..handles import causal_lm, get_store
 from ..io.data import TokenDataset, batches
 from ..io.loader import from_config as random_model
 from ..io.loader import load_pretrained
-from ..options import AUTO
+from ..options import AUTO, resolve_device
 from ..prepare import set_trace_options
 from ..report import report
 from ..runtime.accumulate import step_context
@@ -106,6 +106,7 @@ class TrainOptions:
     chunked_loss: bool = False  # head + loss in vocabulary chunks (poros_fx/loss.py)
     offload_boundaries: bool = False  # saved block outputs in host memory (passes/offload.py)
     save_activations: int = 0  # the last N layer blocks keep their activations, not recomputed (passes/recompute.py)
+    cuda_graphs: bool = False  # region calls replayed from CUDA graphs (runtime/cuda_graphs.py)
 
     def check(self) -> None:
         """Refuse settings that cannot run, before anything is loaded."""
@@ -129,6 +130,11 @@ class TrainOptions:
         if self.eval_every is not None and self.eval_data is None:
             raise PorosConfigError("eval_every needs eval_data (the data to evaluate on)")
         parse_size(self.memory_budget)
+        if self.cuda_graphs and resolve_device(self.device).type != "cuda":
+            raise PorosConfigError("cuda_graphs replays CUDA kernels; this run computes on the CPU (leave --cuda-graphs "
+                                   "out, or train on a CUDA device)")
+        if self.cuda_graphs and self.offload_boundaries:
+            raise PorosConfigError("cuda_graphs cannot be combined with offload_boundaries; use one of the two")
 
 
 @dataclasses.dataclass
@@ -280,7 +286,7 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
     model.train()
     # several ranks: DDP with the host store ignored, all-reducing the adapter's gradients
     options = {"block_major": o.block_major, "chunked_loss": o.chunked_loss, "offload_boundaries": o.offload_boundaries,
-               "save_activations": o.save_activations}
+               "save_activations": o.save_activations, "cuda_graphs": o.cuda_graphs}
     set_trace_options(model, options)
     step_model = torch.compile(distributed.data_parallel(model) if ranks.distributed else model, backend="poros",
                                options=options)
@@ -301,7 +307,8 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
                   max_grad_norm=o.max_grad_norm, eval_data=as_path(o.eval_data), eval_every=o.eval_every,
                   save_total_limit=o.save_total_limit, train_on=o.train_on, split=o.split, metrics=o.metrics,
                   chunked_loss=o.chunked_loss, offload_boundaries=o.offload_boundaries,
-                  save_activations=o.save_activations, model_sha256=_model_sha256(folder) if o.model is not None else None)
+                  save_activations=o.save_activations, cuda_graphs=o.cuda_graphs,
+                  model_sha256=_model_sha256(folder) if o.model is not None else None)
     metrics = MetricsLog(o.out, enabled=o.metrics and ranks.rank == 0) if o.out is not None else MetricsLog(Path("."),
                                                                                                           enabled=False)
     return _Run(opts=o, session=session, step_model=step_model, named=named, optimizer=optimizer, dataset=dataset,
@@ -314,7 +321,7 @@ _CONFIG_KEYS = ("model", "from_config", "data", "quantization", "lora_r", "lora_
                 "target_modules", "steps", "lr", "weight_decay", "seq_len", "pack", "batch_size", "accumulate",
                 "block_size", "prefetch", "codegen", "seed", "log_every", "save_every", "memory_budget", "block_major",
                 "warmup_steps", "schedule", "max_grad_norm", "eval_data", "eval_every", "save_total_limit", "train_on",
-                "split", "metrics", "chunked_loss", "offload_boundaries", "save_activations")
+                "split", "metrics", "chunked_loss", "offload_boundaries", "save_activations", "cuda_graphs")
 
 
 def _model_sha256(folder: Optional[Path]) -> Optional[str]:

@@ -177,6 +177,9 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
                                 if v != cache_before.get(k, 0)}  # hits and misses of the first step's compiles
         for _ in range(max(config.warmup, method.warmup) - 1):
             step()
+        if device.type == "cuda":  # the untimed steps' peak; the timed steps' own below (CUDA graphs add their pool)
+            warm_peak = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         if method.streams:
             stats(model, reset=True)
         allocator_before = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
@@ -216,12 +219,13 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
             if schedules and schedules[-1].prefetch_note:
                 row["prefetch_note"] = schedules[-1].prefetch_note
         if device.type == "cuda":
-            row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
+            timed_peak = torch.cuda.max_memory_allocated(device)
             graphs = stats(model)["cuda_graphs"] if method.streams else None
             if graphs is not None:  # replays write the pool, which max_memory_allocated does not see: added on top
                 row["cuda_graphs"] = {k: v for k, v in graphs.items() if k != "broken"} | {"broken": len(graphs["broken"])}
                 row["graph_pool_gb"] = round(graphs["pool_bytes"] / 1e9, 3)
-                row["peak_gb"] = round(row["peak_gb"] + row["graph_pool_gb"], 3)
+                timed_peak += graphs["pool_bytes"]
+            row["peak_gb"] = round(max(warm_peak, timed_peak) / 1e9, 3)
         if config.profile_dir is not None:  # after the peak is read: the profiler allocates too
 
             slug = _label(spec).replace(" ", "-").replace(".", "")
