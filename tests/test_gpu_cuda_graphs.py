@@ -87,3 +87,21 @@ def test_gpu_cuda_graphs_mode_toggles(deterministic):
     assert len(graphed) == len(plain)
     for i, (a, b) in enumerate(zip(graphed, plain)):
         assert torch.equal(a, b), f"value {i} differs with CUDA graphs"
+
+
+def test_gpu_cuda_graphs_with_saved_activations_and_a_budget(deterministic):
+    """Graphs over blocks whose activations are saved (no recompute), and over blocks a memory budget keeps
+    resident (read in place by the graphs): == ``stream=False`` without graphs. NF4, Inductor."""
+    batches = _batches()
+    reference, _ = _run({"stream": False}, batches, nf4=True, codegen="inductor")
+    saved, counters = _run({"cuda_graphs": True, "save_activations": 2}, batches, nf4=True, codegen="inductor")
+    assert counters["replays"] > 0 and counters["fallbacks"] == 0, counters
+    assert compare(saved, reference) == EQUAL, format_diffs("graphs + saved vs stream=False", compare(saved, reference))
+    model = _model(nf4=True)
+    poros_fx.prepare(model, device="cuda", memory_budget="100GB")
+    step_model = torch.compile(model, backend="poros", options={"block_major": False, "cuda_graphs": True})
+    kept = train(model, step_model, batches, accumulate=ACCUMULATE)
+    counters = poros_fx.stats(model)["cuda_graphs"]
+    assert poros_fx.stats(model)["residency_plan"]["resident_blocks"], "the budget kept nothing"
+    assert counters["replays"] > 0 and counters["fallbacks"] == 0, counters
+    assert compare(kept, reference) == EQUAL, format_diffs("graphs + kept blocks vs stream=False", compare(kept, reference))

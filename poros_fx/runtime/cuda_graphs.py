@@ -120,14 +120,53 @@ class Run:
     pool_storages: set[int] = dataclasses.field(default_factory=set)
 
 
-class RegionGraphs:
-    """The CUDA graphs of one prepared model's region calls, in one memory pool."""
+class CudaGraphs:
+    """What ``RegionGraphs`` asks of CUDA: capture a call into a graph of one pool, replay it, the pool's size.
+    (A stand-in with the same three methods lets the CPU tests drive ``RegionGraphs``' bookkeeping.)"""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.pool = torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream(device)
+        self.stream = torch.cuda.Stream(device)  # captures run on a side stream, as torch.cuda.graph's do
+
+    def capture(self, make_inputs: Callable[[], list], fn: Callable[[list], list]) -> tuple[Any, list, list]:
+        """A graph of ``fn(make_inputs())`` (allocated in the pool), with the inputs and outputs it was captured
+        with; the random generator is left as it was (a capture draws nothing)."""
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(self.device)
+        rng = torch.cuda.get_rng_state(self.index)
+        self.stream.wait_stream(current)
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                torch._C._cuda_clearCublasWorkspaces()  # cuBLAS's workspace for this stream comes from the pool
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    inputs = make_inputs()
+                    outputs = fn(list(inputs))
+                finally:
+                    graph.capture_end()
+                torch._C._cuda_clearCublasWorkspaces()
+        finally:
+            current.wait_stream(self.stream)
+            torch.cuda.set_rng_state(rng, self.index)
+        return graph, inputs, outputs
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+    def pool_bytes(self) -> int:
+        pool = tuple(self.pool)
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                   if tuple(s.get("segment_pool_id", ())) == pool and s.get("device") == self.index)
+
+
+class RegionGraphs:
+    """The CUDA graphs of one prepared model's region calls, in one memory pool (``backend``: ``CudaGraphs``)."""
+
+    def __init__(self, device: torch.device, backend: Any = None) -> None:
+        self.device = device
+        self.backend = backend if backend is not None else CudaGraphs(device)
         self.chains: dict[Any, Chain] = {}
         self.counters = Counters()
         self.run: Run | None = None
@@ -147,7 +186,7 @@ class RegionGraphs:
         copies: dict[int, Any] = {}
         out = list(outputs)
         for i, o in enumerate(out):
-            if not isinstance(o, torch.Tensor) or o.device.type != "cuda":
+            if not isinstance(o, torch.Tensor):
                 continue
             storage = o.untyped_storage()
             ptr = storage.data_ptr()
@@ -176,17 +215,18 @@ class RegionGraphs:
             self.counters.uncaptured += 1
             return fn(inputs)
         try:
-            key = (site, _host_values(inputs))
+            key = (site, _host_values(inputs, self.device))
         except CaptureRefused as e:
-            self._warn(site, f"region call {site} runs uncaptured: {e}")
+            self._warn("refused", f"region call {site} runs uncaptured: {e} (said once)")
             self.counters.fallbacks += 1
             return fn(inputs)
         if run.mode == "record":
             return self._record(run, key, fn, inputs)
         captured = run.chain.graphs.get(key)
         if captured is None or not self._fits(captured, inputs):
-            self._warn(site, f"region call {site} runs uncaptured: its inputs are not where its graph was recorded "
-                             "(a new host value, or a tensor that moved)")
+            self._warn("fallback", f"region call {site} runs uncaptured: its inputs are not where its graph was "
+                                   "recorded (a new host value, or a tensor that moved); said once, counted in "
+                                   "stats()['cuda_graphs']['fallbacks']")
             self.counters.fallbacks += 1
             return fn(inputs)
         return self._replay(run, captured, inputs)
@@ -194,7 +234,7 @@ class RegionGraphs:
     def _start(self, run: Run, inputs: list) -> None:
         """Pick the run's chain at its first region call, and whether it warms up, records or replays."""
         try:
-            key = (run.key, _host_values(inputs))
+            key = (run.key, _host_values(inputs, self.device))
         except CaptureRefused:
             run.mode = "uncaptured"
             return
@@ -216,42 +256,21 @@ class RegionGraphs:
 
     def _record(self, run: Run, key: Any, fn: Callable[[list], list], inputs: list) -> list:
         slots = [self._slot(run, t) for t in inputs]
-        graph = torch.cuda.CUDAGraph()
-        current = torch.cuda.current_stream(self.device)
-        rng = torch.cuda.get_rng_state(self.index)  # capture draws nothing; kept as it was all the same
-        self.stream.wait_stream(current)
-        placeholders: list[torch.Tensor | None] = []
+
+        def make_inputs() -> list:  # inside the capture: the graph's own buffers come from its pool
+            return [_unfilled(t) if slot.kind == COPY else t for t, slot in zip(inputs, slots)]
+
         try:
-            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-                torch._C._cuda_clearCublasWorkspaces()  # cuBLAS's workspace for this stream comes from the pool
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-                try:
-                    call_inputs = []
-                    for t, slot in zip(inputs, slots):
-                        if slot.kind == COPY:
-                            buffer = _unfilled(t)
-                            placeholders.append(buffer)
-                            call_inputs.append(buffer)
-                        else:
-                            placeholders.append(None)
-                            call_inputs.append(t)
-                    outputs = fn(call_inputs)
-                finally:
-                    graph.capture_end()
-                torch._C._cuda_clearCublasWorkspaces()
+            graph, call_inputs, outputs = self.backend.capture(make_inputs, fn)
         except Exception as e:  # a kernel that cannot be captured: this chain runs uncaptured from now on
-            current.wait_stream(self.stream)
-            torch.cuda.set_rng_state(rng, self.index)
             self._break(run, f"{type(e).__name__}: {e}")
             self.counters.uncaptured += 1
             return fn(inputs)
-        current.wait_stream(self.stream)
-        torch.cuda.set_rng_state(rng, self.index)
-        for t, slot, buffer in zip(inputs, slots, placeholders):
-            if buffer is not None:
+        for t, slot, buffer in zip(inputs, slots, call_inputs):
+            if slot.kind == COPY:
                 slot.buffer = _alias(buffer)
                 buffer.copy_(t)
-        graph.replay()
+        self.backend.replay(graph)
         self.counters.captures += 1
         try:
             captured = self._describe(graph, inputs, slots, outputs)
@@ -272,7 +291,7 @@ class RegionGraphs:
     def _slot(self, run: Run, t: Any) -> InputSlot:
         if not isinstance(t, torch.Tensor):
             return InputSlot(OTHER)
-        if t.device.type == "cpu":
+        if t.device != self.device:
             return InputSlot(HOST)
         shape, stride = tuple(t.shape), tuple(t.stride())
         if ((t.requires_grad and t.is_leaf) or t.untyped_storage().data_ptr() in run.pool_storages
@@ -296,8 +315,8 @@ class RegionGraphs:
             if ptr in passed:
                 described.append(OutputSlot(passed[ptr], **place))
                 continue
-            if o.device.type != "cuda":
-                raise CaptureRefused("the region makes a CPU tensor (a replay would not remake it)")
+            if o.device != self.device:
+                raise CaptureRefused(f"the region makes a tensor on {o.device} (a replay would not remake it)")
             pool.add(ptr)
             if ptr not in storages:
                 storages[ptr] = torch._C._construct_storage_from_data_pointer(ptr, o.device, storage.nbytes())
@@ -326,7 +345,7 @@ class RegionGraphs:
                 copied += t.nbytes
         passed = {s.source: inputs[s.source].untyped_storage() for s in captured.outputs if s.source >= 0}
         inputs.clear()  # boxed: the caller's list is released, as an uncaptured call releases it
-        captured.graph.replay()
+        self.backend.replay(captured.graph)
         self.counters.replays += 1
         self.counters.copied_bytes += copied
         run.pool_storages |= captured.pool_storages
@@ -347,10 +366,7 @@ class RegionGraphs:
         if not self.counters.captures:
             return 0
         if self._pool_bytes[0] != self.counters.captures:
-            pool = tuple(self.pool)
-            size = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-                       if tuple(s.get("segment_pool_id", ())) == pool and s.get("device") == self.index)
-            self._pool_bytes = (self.counters.captures, size)
+            self._pool_bytes = (self.counters.captures, self.backend.pool_bytes())
         return self._pool_bytes[1]
 
     def as_dict(self) -> dict[str, Any]:
@@ -385,11 +401,12 @@ def _alias(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
 
 
-def _host_values(inputs: list) -> tuple:
-    """The values of the CPU tensors among ``inputs`` (what a captured graph decided on the host)."""
+def _host_values(inputs: list, device: torch.device) -> tuple:
+    """The values of the tensors among ``inputs`` that are not on ``device`` (CPU scalars: what a captured
+    graph decided on the host)."""
     values = []
     for t in inputs:
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+        if isinstance(t, torch.Tensor) and t.device != device:
             if t.numel() > HOST_VALUES:
                 raise CaptureRefused(f"a CPU tensor input of {t.numel()} elements")
             values.append((t.dtype, tuple(t.shape), tuple(t.reshape(-1).tolist())))

@@ -13,7 +13,10 @@ prefetch "auto" and the device's codegen), ``poros_eager`` / ``poros_inductor`` 
 ``poros_resident`` (``options={"stream": False}``), ``poros_budget`` (``options={"memory_budget":
 --memory-budget}``: after the first step the blocks that fit stay resident), ``poros_saved``
 (``options={"save_activations": every layer}``: no block recomputed, each still reloaded for its
-backward) and ``poros_budget_saved`` (both: a kept block is neither reloaded nor recomputed), ``poros_micro_major``
+backward) and ``poros_budget_saved`` (both: a kept block is neither reloaded nor recomputed), ``poros_graphs``,
+``poros_saved_graphs``, ``poros_budget_graphs`` and ``poros_budget_saved_graphs`` (the same with
+``options={"cuda_graphs": True}``: each region call replayed from a CUDA graph; two untimed steps, warm-up and
+recording; their peak adds the graphs' pool), ``poros_micro_major``
 (``options={"block_major": False}``: accumulated micro-batches one after the other; every other poros
 method runs an accumulation row block-major, ``runtime/accumulate.py``) and, opt-in, ``poros_tensor_copies`` (``options={"group_copies": False}``: a copy per tensor
 instead of per block) and ``poros_prefetch1`` (``options={"prefetch": 1}``: the fixed depth that was the

@@ -33,7 +33,7 @@ HELP = {
     "plot": "PNG plot (default: JSON path with .png)",
     "time_budget": "seconds; no new row starts after them",
     "profile": "profile one extra step per row: Chrome trace into DIR, summary into the row's 'profile'",
-    "memory_budget": "poros_budget and poros_budget_saved: their memory_budget (e.g. 24GB)",
+    "memory_budget": "poros_budget, poros_budget_saved and their _graphs rows: their memory_budget (e.g. 24GB)",
     "compiled_resident": "add compiled_resident (plain torch.compile/Inductor; 0.5B and 7B only)",
     "checkpoints": "unsloth_*: the random-init checkpoint of each model is written (once) under DIR",
     "unsloth_offload_layers": "unsloth_offload: decoder layers Unsloth swaps from host memory (default: all)",
