@@ -14,6 +14,9 @@ device time. ``make bench-cpu`` writes ``docs/bench/cpu/host_cost.{json,md}`` (`
   shared, and a neighbour's work only ever adds time).
 - ``test_load_group``: ``GraphRuntime.load_group`` for one block's base, as one span of the arena (the
   regions' layout) and as its separate tensors; on the CPU it copies the bytes too (a few hundred kB).
+- ``test_graph_replay``: the host work of one region call replayed from a CUDA graph
+  (``runtime/cuda_graphs.py``: the checks that its inputs are where it was recorded, the copy into its
+  buffer, its outputs), with a stand-in whose replay does nothing; on the GPU the replay is one launch.
 - ``test_guard_check``: Dynamo's guards on the compiled model's call, checked once per step.
 - ``test_compile_phases``: the first step of a fresh model in a fresh Inductor cache (one round: it is
   the cold compile), with Dynamo's phase times (``compile_times``) and the region's trace and compile
@@ -33,6 +36,7 @@ from torch._inductor.utils import fresh_cache
 
 import poros_fx
 from poros_fx.prepare import get_store
+from poros_fx.runtime.cuda_graphs import WARMUP_RUNS, RegionGraphs
 from poros_fx.runtime.executor import GraphRuntime
 from poros_fx.tools.tiny import demo_batches, lora_model, tiny_config
 
@@ -88,6 +92,41 @@ def test_load_group(benchmark, layout):
     runtime.load_group(hosts, torch.device("cpu"), block)  # plans the group's layout once, as a step does
     benchmark.extra_info.update(tensors=len(hosts), bytes=sum(e.nbytes for e in entries))
     benchmark(runtime.load_group, hosts, torch.device("cpu"), block)
+
+
+class _ReplayNothing:
+    """A stand-in for ``CudaGraphs`` whose replay does nothing: what is left is ``RegionGraphs``' own host work."""
+
+    def capture(self, make_inputs, fn):
+        inputs = make_inputs()
+        outputs = fn(list(inputs))
+        return (inputs, outputs), inputs, outputs  # the graph holds their memory, as the pool holds a graph's
+
+    def replay(self, graph):
+        pass
+
+    def pool_bytes(self):
+        return 0
+
+
+def test_graph_replay(benchmark):
+    """One replayed region call's bookkeeping (``RegionGraphs.call``): a 7B-like call of 20 inputs (the hidden
+    state copied into the graph's buffer, 18 adapter tensors and a kept block read in place) and 50 outputs."""
+    params = [torch.zeros(4, requires_grad=True) for _ in range(18)]
+    block = torch.zeros(64)
+
+    def region(inputs):
+        inputs.clear()
+        return [torch.zeros(4) for _ in range(50)]
+
+    graphs = RegionGraphs(torch.device("cpu"), backend=_ReplayNothing())
+    for _ in range(2 + WARMUP_RUNS):  # warm-up, record, then the run whose calls replay
+        graphs.begin("run", lambda t: t is block)
+        graphs.call("layer", region, [torch.ones(8), *params, block])
+    assert graphs.counters.replays == 1
+    hidden = torch.ones(8)
+    benchmark.extra_info.update(inputs=20, outputs=50)
+    benchmark(lambda: graphs.call("layer", region, [hidden, *params, block]))
 
 
 def test_guard_check(benchmark):

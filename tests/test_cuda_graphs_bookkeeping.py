@@ -51,12 +51,12 @@ def step(graphs: RegionGraphs | None, x: torch.Tensor, w: torch.Tensor, seed: in
     def call(site, inputs):
         return region(inputs) if graphs is None else graphs.call(site, region, inputs)
 
-    if graphs is not None:
-        graphs.begin(("run", tuple(x.shape)), lambda t: False)
-    a = call("layer0", [x.clone(), w])  # a new tensor every run: copied into the graph's buffer
-    b = call("layer1", [a[0], w])  # the first call's output: read in place
-    out = [b[0], a[1]]
-    return graphs.end(out) if graphs is not None else out
+    def body():
+        a = call("layer0", [x.clone(), w])  # a new tensor every run: copied into the graph's buffer
+        b = call("layer1", [a[0], w])  # the first call's output: read in place
+        return [b[0], a[1]]
+
+    return body() if graphs is None else graphs.around(("run", tuple(x.shape)), lambda t: False, body)
 
 
 def test_runs_warm_up_record_replay_and_equal_the_direct_calls():

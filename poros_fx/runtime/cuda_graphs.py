@@ -175,6 +175,17 @@ class RegionGraphs:
 
     # -- the outer run ------------------------------------------------------------------------------------
 
+    def around(self, key: Any, is_resident: Callable[[torch.Tensor], bool], run: Callable[[], Any]) -> Any:
+        """``run()`` (an outer graph's run, keyed by ``key``) with its region calls captured and replayed;
+        its outputs that lie in the pool come back as copies (``end``)."""
+        self.begin(key, is_resident)
+        try:
+            out = run()
+        except BaseException:
+            self.abandon()
+            raise
+        return self.end(out)
+
     def begin(self, key: Any, is_resident: Callable[[torch.Tensor], bool]) -> None:
         self.run = Run(key, is_resident)
 

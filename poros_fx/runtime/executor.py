@@ -343,13 +343,8 @@ class GraphRuntime:
             if graphs is None:
                 return self.execute(lambda: compiled(args), size=self.input_elements(args))
             size = self.input_elements(args)
-            graphs.begin((self._graph_key, self.input_shapes(args)), self.is_resident)
-            try:
-                out = self.execute(lambda: compiled(args), size=size)
-            except BaseException:
-                graphs.abandon()
-                raise
-            return graphs.end(out)
+            return graphs.around((self._graph_key, self.input_shapes(args)), self.is_resident,
+                                 lambda: self.execute(lambda: compiled(args), size=size))
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
