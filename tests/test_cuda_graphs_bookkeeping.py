@@ -99,3 +99,23 @@ def test_each_input_shape_is_a_chain_of_its_own():
         got = step(graphs, x, w, seed=run)
         assert all(torch.equal(g, e) for g, e in zip(got, step(None, x, w, seed=run)))
     assert len(graphs.chains) == 2 and graphs.counters.captures == 4 and graphs.counters.replays == 8
+
+
+def test_an_input_of_another_dtype_or_layout_is_not_copied_into_the_graph():
+    """A replay copies a moved input into the graph's buffer; one of another dtype or strides would be converted
+    or laid out anew by that copy: such a call runs uncaptured instead."""
+
+    def double(inputs):
+        (x,) = inputs
+        inputs.clear()
+        return [x * 2]
+
+    graphs = RegionGraphs(torch.device("cpu"), backend=Replayer())
+    x = torch.arange(12.0).reshape(3, 4)
+    for _ in range(2 + WARMUP_RUNS):
+        graphs.around("run", lambda t: False, lambda: graphs.call("site", double, [x.clone()]))
+    assert graphs.counters.replays == 1
+    for other in (x.double(), x.t().contiguous().t()):
+        got = graphs.around("run", lambda t: False, lambda: graphs.call("site", double, [other]))
+        assert got[0].dtype == other.dtype and torch.equal(got[0], other * 2)
+    assert graphs.counters.fallbacks == 2 and graphs.counters.replays == 1

@@ -68,6 +68,7 @@ class InputSlot:
     ptr: int = 0  # DIRECT: the address the graph reads
     shape: tuple[int, ...] = ()
     stride: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
     buffer: torch.Tensor | None = None  # COPY: a tensor over the graph's own input buffer (not owning it)
 
 
@@ -307,8 +308,8 @@ class RegionGraphs:
         shape, stride = tuple(t.shape), tuple(t.stride())
         if ((t.requires_grad and t.is_leaf) or t.untyped_storage().data_ptr() in run.pool_storages
                 or run.is_resident(t)):
-            return InputSlot(DIRECT, t.data_ptr(), shape, stride)
-        return InputSlot(COPY, 0, shape, stride)
+            return InputSlot(DIRECT, t.data_ptr(), shape, stride, t.dtype)
+        return InputSlot(COPY, 0, shape, stride, t.dtype)
 
     def _describe(self, graph: Any, inputs: list, slots: list[InputSlot], outputs: list) -> Captured:
         # an output may be (a view of) an input the graph reads in place: rebuilt over that input at each replay
@@ -341,10 +342,11 @@ class RegionGraphs:
             return False
         for t, slot in zip(inputs, captured.inputs):
             if slot.kind == DIRECT:
-                if t.data_ptr() != slot.ptr or t.shape != slot.shape or t.stride() != slot.stride:
+                if (t.data_ptr() != slot.ptr or t.shape != slot.shape or t.stride() != slot.stride
+                        or t.dtype != slot.dtype):
                     return False
-            elif slot.kind == COPY:
-                if t.shape != slot.shape or t.stride() != slot.stride:
+            elif slot.kind == COPY:  # copy_ would broadcast or convert what does not match: never let it
+                if t.shape != slot.shape or t.stride() != slot.stride or t.dtype != slot.dtype:
                     return False
         return True
 
