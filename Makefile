@@ -17,7 +17,7 @@ demo: setup
 	$(BIN)/python -m poros_fx
 
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --durations=15
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=15
 
 test-gpu: setup
 	$(BIN)/python -m pytest -q -m gpu
