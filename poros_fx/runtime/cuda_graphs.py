@@ -208,7 +208,7 @@ class RegionGraphs:
             if copy is None:
                 copy = copies[ptr] = storage.clone()
                 self.counters.escaped += 1
-            out[i] = torch.empty(0, dtype=o.dtype, device=o.device).set_(copy, o.storage_offset(), o.shape, o.stride())
+            out[i] = _on(copy, o.storage_offset(), o.shape, o.stride(), o.dtype)
         return type(outputs)(out) if isinstance(outputs, tuple) else out
 
     def abandon(self) -> None:
@@ -229,14 +229,14 @@ class RegionGraphs:
         try:
             key = (site, _host_values(inputs, self.device))
         except CaptureRefused as e:
-            self._warn("refused", f"region call {site} runs uncaptured: {e} (said once)")
+            self.warn_once("refused", f"region call {site} runs uncaptured: {e} (said once)")
             self.counters.fallbacks += 1
             return fn(inputs)
         if run.mode == "record":
             return self._record(run, key, fn, inputs)
         captured = run.chain.graphs.get(key)
         if captured is None or not self._fits(captured, inputs):
-            self._warn("fallback", f"region call {site} runs uncaptured: its inputs are not where its graph was "
+            self.warn_once("fallback", f"region call {site} runs uncaptured: its inputs are not where its graph was "
                                    "recorded (a new host value, or a tensor that moved); said once, counted in "
                                    "stats()['cuda_graphs']['fallbacks']")
             self.counters.fallbacks += 1
@@ -253,7 +253,7 @@ class RegionGraphs:
         chain = self.chains.get(key)
         if chain is None:
             if len(self.chains) >= MAX_CHAINS:
-                self._warn("chains", f"more than {MAX_CHAINS} input shapes: new ones run without CUDA graphs")
+                self.warn_once("chains", f"more than {MAX_CHAINS} input shapes: new ones run without CUDA graphs")
                 run.mode = "uncaptured"
                 return
             chain = self.chains[key] = Chain()
@@ -297,7 +297,7 @@ class RegionGraphs:
         run.chain.broken = reason
         run.chain.graphs.clear()
         run.mode = "uncaptured"
-        self._warn("broken", f"a region call could not be captured in a CUDA graph; runs of this shape go without "
+        self.warn_once("broken", f"a region call could not be captured in a CUDA graph; runs of this shape go without "
                              f"graphs ({reason})")
 
     def _slot(self, run: Run, t: Any) -> InputSlot:
@@ -316,13 +316,11 @@ class RegionGraphs:
         passed = {t.untyped_storage().data_ptr(): j for j, (t, s) in enumerate(zip(inputs, slots))
                   if s.kind in (DIRECT, HOST)}
         described, pool = [], set()
-        storages: dict[int, Any] = {}
         for o in outputs:
             if not isinstance(o, torch.Tensor):
                 described.append(OutputSlot(-2))
                 continue
-            storage = o.untyped_storage()
-            ptr = storage.data_ptr()
+            ptr = o.untyped_storage().data_ptr()
             place = dict(offset=o.storage_offset(), shape=tuple(o.shape), stride=tuple(o.stride()), dtype=o.dtype)
             if ptr in passed:
                 described.append(OutputSlot(passed[ptr], **place))
@@ -330,11 +328,7 @@ class RegionGraphs:
             if o.device != self.device:
                 raise CaptureRefused(f"the region makes a tensor on {o.device} (a replay would not remake it)")
             pool.add(ptr)
-            if ptr not in storages:
-                storages[ptr] = torch._C._construct_storage_from_data_pointer(ptr, o.device, storage.nbytes())
-            view = torch.empty(0, dtype=o.dtype, device=o.device).set_(storages[ptr], o.storage_offset(), o.shape,
-                                                                      o.stride())
-            described.append(OutputSlot(-1, view, **place))
+            described.append(OutputSlot(-1, _alias(o), **place))
         return Captured(graph, slots, described, frozenset(pool))
 
     def _fits(self, captured: Captured, inputs: list) -> bool:
@@ -369,8 +363,7 @@ class RegionGraphs:
             elif slot.source == -2:
                 out.append(None)
             else:
-                out.append(torch.empty(0, dtype=slot.dtype, device=passed[slot.source].device).set_(
-                    passed[slot.source], slot.offset, slot.shape, slot.stride))
+                out.append(_on(passed[slot.source], slot.offset, slot.shape, slot.stride, slot.dtype))
         return out
 
     def pool_bytes(self) -> int:
@@ -388,11 +381,9 @@ class RegionGraphs:
                    broken=[c.broken for c in self.chains.values() if c.broken], pool_bytes=self.pool_bytes())
         return out
 
-    def note_uncaptured(self, kind: str, message: str) -> None:
-        """A run the runtime does not hand to the graphs (block-major accumulation): said once per kind."""
-        self._warn(kind, message)
-
-    def _warn(self, kind: str, message: str) -> None:
+    def warn_once(self, kind: str, message: str) -> None:
+        """Log ``message`` the first time something of ``kind`` happens (a fallback, a broken chain, a
+        block-major run the runtime does not hand to the graphs)."""
         if kind not in self.warned:
             self.warned.add(kind)
             logger.warning("poros: %s", message)
@@ -403,15 +394,19 @@ def _unfilled(t: torch.Tensor) -> torch.Tensor:
     fills new memory with NaN, and inside a capture that fill would be part of the graph, replayed after
     the input was copied in."""
     elements = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
-    storage = torch.UntypedStorage(elements * t.element_size(), device=t.device)
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
+    return _on(torch.UntypedStorage(elements * t.element_size(), device=t.device), 0, t.shape, t.stride(), t.dtype)
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
     """A tensor over ``t``'s bytes that does not own them (they stay the pool's once ``t`` is freed)."""
     storage = torch._C._construct_storage_from_data_pointer(t.untyped_storage().data_ptr(), t.device,
                                                             t.untyped_storage().nbytes())
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.shape, t.stride())
+    return _on(storage, t.storage_offset(), t.shape, t.stride(), t.dtype)
+
+
+def _on(storage: Any, offset: int, shape: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``dtype`` over ``storage`` at ``offset`` (elements) with ``shape`` and ``stride``."""
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride)
 
 
 def _host_values(inputs: list, device: torch.device) -> tuple:

@@ -335,7 +335,7 @@ class GraphRuntime:
             step = self.store.accumulation
             if step is not None and self.block_major:
                 if self.cuda_graphs and self.store.region_graphs is not None:
-                    self.store.region_graphs.note_uncaptured(
+                    self.store.region_graphs.warn_once(
                         "block_major", "block-major accumulation steps run their region calls without CUDA graphs "
                         "(several micro-batches' calls interleave); options={'block_major': False} replays them")
                 return step.call(self, compiled, args)
