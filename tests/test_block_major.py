@@ -35,10 +35,10 @@ def model_for(mode: str, nf4: bool = False, dtype: torch.dtype = torch.float32, 
     return model, torch.compile(model, backend="poros", options=options)
 
 
-def run(mode: str, accumulate: int, steps: int = STEPS, **kw):
+def run(mode: str, accumulate: int, steps: int = STEPS, seq: int = 16, **kw):
     torch._dynamo.reset()
     model, step_model = model_for(mode, **kw)
-    batches = demo_batches(steps * accumulate, seq=16, batch=2)
+    batches = demo_batches(steps * accumulate, seq=seq, batch=2)
     trace = train(model, step_model, batches, accumulate=accumulate, block_major=mode != "eager")
     return trace, (poros_fx.stats(model) if mode != "eager" else None)
 
@@ -101,6 +101,15 @@ def _decorated(block_major: bool, zero_every: int = 1):
         if (call + 1) % zero_every == 0:
             optimizer_step(trace, params, opt)
     return trace, poros_fx.stats(model)
+
+
+def test_lengths_above_256_run_block_major():
+    """The graph takes the length as an int; Python makes a new int object per call above 256, so the
+    micro-batches' inputs are compared by value there (they once raised PorosExactnessError)."""
+    block, s = run("block_major", 2, steps=2, seq=260)
+    micro, m = run("micro_major", 2, steps=2, seq=260)
+    assert compare(block, micro) == EQUAL, format_diffs("block-major vs micro-batch-major", compare(block, micro))
+    assert s["block_major_steps"] == 2 and m["block_major_steps"] == 0
 
 
 def test_step_decorator_runs_block_major():
