@@ -33,7 +33,11 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     peak and the base bytes copied per micro-batch with and without the plan; ``runtime/budget.py``),
     ``cuda_graphs`` (``None`` unless ``options={"cuda_graphs": True}``; then the region calls captured, replayed,
     run uncaptured while warming up or beyond the chains kept, or fallen back from a recorded graph, the input
-    bytes copied into graphs, the pool tensors copied out, and the pool's bytes: ``runtime/cuda_graphs.py``).
+    bytes copied into graphs, the pool tensors copied out, and the pool's bytes: ``runtime/cuda_graphs.py``), ``compile`` (host seconds of the one-time
+    work, summed over the graphs compiled so far: ``graphs``, ``joint_trace_s`` (AOTAutograd up to the partition),
+    ``partition_s``, ``forward_passes_s`` / ``backward_passes_s`` (our passes and each graph's codegen),
+    ``forward_first_run_s`` / ``backward_first_run_s`` (each graph's first run), ``region_trace_s`` and
+    ``region_compile_s``; Dynamo's own tracing is not in it: ``torch._dynamo.utils.calculate_time_spent()``).
     """
     store = get_store(model)
     if store is None:
@@ -49,7 +53,20 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
                regions=[{"name": r.name, "layers": list(r.layers), "trace_s": round(r.trace_seconds, 3),
                          "compile_s": {k: round(v, 3) for k, v in r.compile_seconds.items()}}
                         for r in (store.regions.regions if store.regions is not None else [])],
-               cuda_graphs=store.region_graphs.as_dict() if store.region_graphs is not None else None)
+               cuda_graphs=store.region_graphs.as_dict() if store.region_graphs is not None else None,
+               compile=_compile_seconds(store))
     if reset:
         ledger.reset()
     return out
+
+
+def _compile_seconds(store: Any) -> dict[str, Any]:
+    """The schedules' one-time phases summed by name, and the regions' trace and compile seconds."""
+    out: dict[str, Any] = {"graphs": len(store.schedules)}
+    for schedule in store.schedules:
+        for phase, seconds in schedule.phase_seconds.items():
+            out[f"{phase}_s"] = out.get(f"{phase}_s", 0.0) + seconds
+    regions = store.regions.regions if store.regions is not None else []
+    out["region_trace_s"] = sum(r.trace_seconds for r in regions)
+    out["region_compile_s"] = sum(sum(r.compile_seconds.values()) for r in regions)
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}

@@ -63,6 +63,11 @@ def test_smoke_run_writes_json_markdown_and_plot(tmp_path):
     assert poros["ratio_vs_peft_resident"] == pytest.approx(poros["s_per_step"] / peft["s_per_step"], rel=1e-3)
     assert peft["h2d_gbps"] is None and peft["compile_s"] is None
     assert poros["h2d_gbps"] is not None and poros["compile_s"] is not None
+    # where the first step's seconds went: Dynamo's frame compile (which holds our region trace) and ours
+    phases = poros["first_step_phases"]
+    assert phases["dynamo"]["entire_frame_compile"] > phases["poros"]["region_trace_s"] > 0
+    assert phases["poros"]["joint_trace_s"] > 0 and phases["poros"]["backward_first_run_s"] > 0
+    assert "first_step_phases" not in peft
     md = (tmp_path / "bench.md").read_text()
     assert "| tiny | poros | 1 | 32 | 1 |" in md and "| tiny | peft_resident | - | 32 | 1 |" in md and "test" in md
     png = (tmp_path / "bench.png").read_bytes()
@@ -156,6 +161,7 @@ def test_compile_warm_runs_the_row_again_in_a_second_process(tmp_path, monkeypat
     assert row["first_step_cold_s"] == row["first_step_s"] and row["compile_cold_s"] == row["compile_s"]
     assert row["first_step_warm_s"] > 0 and row["compile_warm_s"] is not None
     assert row["warm_process"]["s_per_step"] > 0 and "compile_cache" in row
+    assert row["warm_process"]["first_step_phases"]["poros"]["region_trace_s"] > 0  # traced again: a new process
     assert "first_step_warm_s" not in rows[("peft_resident", None, 32, 1)]  # not compiled: one process
     md = (tmp_path / "bench.md").read_text()
     assert f"| {row['first_step_warm_s']:.1f} / {row['compile_warm_s']:.1f} |" in md and "--compile-warm" in md

@@ -234,6 +234,7 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
 
     def partition_fn(joint: fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int, **kwargs: Any):
         started = time.perf_counter()
+        schedule.phase_seconds["joint_trace"] = started - aot_started
         logger.info("poros: joint graph of %d nodes; %s partition", len(joint.graph.nodes),
                     "min-cut (recompute per block)" if schedule.stream else "default")
         schedule.num_fwd_outputs = num_fwd_outputs
@@ -258,14 +259,16 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         for n in bw.graph.nodes:
             if n.meta.get(FORWARD) and n.op == "call_function":
                 schedule.blocks[n.meta[BLOCK]].recomputed_nodes += 1
+        schedule.phase_seconds["partition"] = time.perf_counter() - started
         logger.info("poros: partitioned in %.1f s: forward %d nodes, backward %d nodes (compiled at the first "
-                    "backward)", time.perf_counter() - started, len(fw.graph.nodes), len(bw.graph.nodes))
+                    "backward)", schedule.phase_seconds["partition"], len(fw.graph.nodes), len(bw.graph.nodes))
         for graph in (joint, fw, bw):
             forget_module_classes(graph)
         return fw, bw
 
     def compiler(phase: str) -> Callable:
         def compile_graph(graph: fx.GraphModule, _inputs: Any) -> Callable:
+            started = time.perf_counter()
             graph.meta[PHASE] = phase
             store = schedule.store  # held weakly: the compiled graph must not keep the model's base alive
             if schedule.auto_prefetch and phase == "backward":
@@ -292,10 +295,13 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
             forget_module_classes(graph)
             graph.graph.set_codegen(_BoxedCodeGen())
             graph.recompile()
-            return schedule.runtime.wrap(graph)
+            wrapped = schedule.runtime.wrap(graph)
+            schedule.phase_seconds[f"{phase}_passes"] = time.perf_counter() - started
+            return wrapped
 
         return compile_graph
 
+    aot_started = time.perf_counter()
     compiled = aot_module_simplified(gm, example_inputs, fw_compiler=compiler("forward"),
                                      bw_compiler=compiler("backward"), partition_fn=partition_fn)
     forget_module_classes(gm)  # AOTAutograd's compiled function keeps Dynamo's graph

@@ -112,6 +112,10 @@ class Schedule:
     # the model's runtime.store.HostStore (its budget plan), held weakly: the compiled graph keeps its schedule
     store_ref: Any = dataclasses.field(default=None, repr=False)
     dumper: Any = dataclasses.field(default=None, repr=False)  # compiler.dump.Dumper writing this graph's dumps
+    # host seconds of this graph's one-time work, by phase: "joint_trace" (AOTAutograd up to the partition),
+    # "partition", "forward_passes" / "backward_passes" (the passes and codegen of each graph) and
+    # "forward_first_run" / "backward_first_run" (each graph's first run, with what it does once)
+    phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def store(self) -> Any:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import calculate_time_spent, counters
 
 from .config import ROW_KEY, BenchConfig, RowSpec, plan
 from .methods import METHODS, Method, State
@@ -172,9 +172,15 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
             return seconds
 
         cache_before = compile_cache_counters()
+        dynamo_before = calculate_time_spent()
         first = step()
         row["compile_cache"] = {k: v - cache_before.get(k, 0) for k, v in compile_cache_counters().items()
                                 if v != cache_before.get(k, 0)}  # hits and misses of the first step's compiles
+        if method.compiled:  # where the first step's seconds went: Dynamo's phases, and ours (stats "compile")
+            row["first_step_phases"] = {"dynamo": {k: round(v - dynamo_before.get(k, 0.0), 3)
+                                                   for k, v in calculate_time_spent().items()
+                                                   if v != dynamo_before.get(k, 0.0)},
+                                        "poros": stats(model)["compile"] if method.streams else None}
         for _ in range(max(config.warmup, method.warmup) - 1):
             step()
         if device.type == "cuda":  # the untimed steps' peak; the timed steps' own below (CUDA graphs add their pool)

@@ -71,4 +71,4 @@ def add_warm(row: dict[str, Any], spec: RowSpec, config: BenchConfig, cache: Pat
     warm = rows[0]
     row["first_step_warm_s"], row["compile_warm_s"] = warm["first_step_s"], warm["compile_s"]
     row["warm_process"] = {"s_per_step": warm["s_per_step"], "wall_s": warm["wall_s"], "error": warm["error"],
-                           "compile_cache": warm.get("compile_cache")}
+                           "compile_cache": warm.get("compile_cache"), "first_step_phases": warm.get("first_step_phases")}

@@ -1,0 +1,26 @@
+"""``stats(model)["compile"]``: the host seconds of each one-time phase of the first step, per graph."""
+
+from __future__ import annotations
+
+import torch
+
+import poros_fx
+from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+
+PHASES = ("joint_trace_s", "partition_s", "forward_passes_s", "backward_passes_s", "forward_first_run_s",
+          "backward_first_run_s", "region_trace_s")
+
+
+def test_first_step_phases_are_measured_once():
+    torch._dynamo.reset()
+    model = tiny_lora_model("qwen2", layers=2)
+    poros_fx.prepare(model, device="cpu")
+    step_model = torch.compile(model, backend="poros")
+    batches = demo_batches(3, seq=16, batch=2)
+    step_model(**batches[0], use_cache=False).loss.backward()
+    first = poros_fx.stats(model)["compile"]
+    assert first["graphs"] == 1
+    assert all(first[k] > 0 for k in PHASES), first
+    for batch in batches[1:]:  # later steps run the compiled graphs: nothing is added
+        step_model(**batch, use_cache=False).loss.backward()
+    assert poros_fx.stats(model)["compile"] == first
