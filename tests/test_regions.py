@@ -72,13 +72,15 @@ def test_equal_fingerprints_trace_equal_graphs(family):
         steps.end()
     for h in hooks:
         h.remove()
-    codes = []
+    codes = {}
     for index, layer in enumerate(table.layers):
+        if index == 0:
+            continue  # layer 0's call differs (no input gradient) and is compared with nothing below
         tensors, call = regions.flatten_call(*calls[index])
         inputs = [*tensors, *layer._poros_own, layer._poros_block]  # what call_region hands the op
         grads = "".join("1" if t.requires_grad else "0" for t in inputs)
         region = regions.trace_region(layer, call, grads, [regions.meta_of(t) for t in inputs], index)
-        codes.append(region.forward.code + region.backward.code)
+        codes[index] = region.forward.code + region.backward.code
     fingerprints = [regions.fingerprint(layer) for layer in table.layers]
     for i in range(1, 4):
         for j in range(1, 4):
@@ -89,18 +91,18 @@ def test_equal_fingerprints_trace_equal_graphs(family):
 
 @pytest.mark.parametrize("codegen", ["eager", "inductor"])
 def test_streamed_equals_stream_false(codegen):
-    streamed, resident, model = pair(codegen=codegen)
+    """Streamed == stream=False with either codegen; with the eager codegen, == the plain eager loop too
+    (the same recipe on a third copy)."""
+    batches = demo_batches(4, seq=16)
+    streamed, resident, model = pair(codegen=codegen, batches=batches)
     assert compare(streamed, resident) == ZERO, format_diffs(f"streamed vs stream=False ({codegen})",
                                                               compare(streamed, resident))
     (schedule,) = get_store(model).schedules
     assert schedule.codegen == codegen and {u.codegen for u in schedule.regions.values()} == {codegen}
-
-
-def test_eager_codegen_equals_the_eager_loop():
-    batches = demo_batches(4, seq=16)
-    streamed, _, _ = pair(batches=batches)
-    eager = tiny_lora_model("qwen2", layers=3, dropout=0.1)
-    assert compare(streamed, train(eager, eager, batches, accumulate=2)) == ZERO
+    if codegen == "eager":
+        eager = tiny_lora_model("qwen2", layers=3, dropout=0.1)
+        diffs = compare(streamed, train(eager, eager, batches, accumulate=2))
+        assert diffs == ZERO, format_diffs("eager codegen vs the eager loop", diffs)
 
 
 def _backward_pass(change):
