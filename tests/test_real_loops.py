@@ -179,8 +179,9 @@ def test_block_major_runs_micro_batch_order_up_front(case):
     micro_batches = (attention_batches(2, seq=16, mode="pad") if case == "attention_dropout"
                      else batches_of([(2, 16), (2, 16)]))
     hook = case == "hook"
+    first = _prepared(**config)  # kept alive: the second copy takes its region instead of tracing it again
     with pytest.warns(UserWarning, match="gradient hook" if hook else "cannot replay"):
-        block = _accumulate(*_prepared(**config), micro_batches, block_major=True, hook=hook)
+        block = _accumulate(*first, micro_batches, block_major=True, hook=hook)
     micro = _accumulate(*_prepared(**config), micro_batches, block_major=False, hook=hook)
     assert len(block) == len(micro) and all(torch.equal(a, b) for a, b in zip(block, micro))
 
