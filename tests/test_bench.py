@@ -65,7 +65,10 @@ def test_smoke_run_writes_json_markdown_and_plot(tmp_path):
     assert poros["h2d_gbps"] is not None and poros["compile_s"] is not None
     # where the first step's seconds went: Dynamo's frame compile (which holds our region trace) and ours
     phases = poros["first_step_phases"]
-    assert phases["dynamo"]["entire_frame_compile"] > phases["poros"]["region_trace_s"] > 0
+    # (the region trace may be 0 here: conftest keeps traced regions for the session, and an earlier test
+    # may have traced this structure; the warm process below always traces)
+    assert phases["dynamo"]["entire_frame_compile"] >= phases["poros"]["region_trace_s"] >= 0
+    assert phases["dynamo"]["entire_frame_compile"] > 0
     assert phases["poros"]["joint_trace_s"] > 0 and phases["poros"]["backward_first_run_s"] > 0
     assert "first_step_phases" not in peft
     md = (tmp_path / "bench.md").read_text()
