@@ -33,8 +33,9 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     peak and the base bytes copied per micro-batch with and without the plan; ``runtime/budget.py``),
     ``cuda_graphs`` (``None`` unless ``options={"cuda_graphs": True}``; then the region calls captured, replayed,
     run uncaptured while warming up or beyond the chains kept, or fallen back from a recorded graph, the input
-    bytes copied into graphs, the pool tensors copied out, and the pool's bytes: ``runtime/cuda_graphs.py``), ``compile`` (host seconds of the one-time
-    work, summed over the graphs compiled so far: ``graphs``, ``joint_trace_s`` (AOTAutograd up to the partition),
+    bytes copied into graphs, the pool tensors copied out, and the pool's bytes: ``runtime/cuda_graphs.py``),
+    ``compile`` (host seconds of the one-time work, summed over the graphs compiled so far: ``graphs``,
+    ``joint_trace_s`` (AOTAutograd up to the partition),
     ``partition_s``, ``forward_passes_s`` / ``backward_passes_s`` (our passes and each graph's codegen),
     ``forward_first_run_s`` / ``backward_first_run_s`` (each graph's first run), ``region_trace_s`` and
     ``region_compile_s``; Dynamo's own tracing is not in it: ``torch._dynamo.utils.calculate_time_spent()``).
