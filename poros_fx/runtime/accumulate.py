@@ -341,7 +341,7 @@ class BlockMajorStep:
         """The backward graph for every kept call, each parameter's gradients summed in call order,
         starting from its ``.grad``, which is then cleared so that autograd stores the sum."""
         first = pending[0]
-        per = frozenset(p for p in range(len(first)) if any(not _same_input(row[p], first[p]) for row in pending[1:]))
+        per = frozenset(p for p in range(len(first)) if any(row[p] is not first[p] for row in pending[1:]))
         lockstep = runtime.backward_plan(per)
         inputs = self.expected[0]  # the forward's inputs: output p is the gradient of input p
         initial: list[Any] = [None] * len(lockstep.outputs)
