@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from cli_helper import cli
+from train_helper import run_cli
 
 import poros_fx
 from poros_fx.io.data import IGNORE_INDEX, eval_batches, load_dataset
@@ -111,9 +112,10 @@ def test_eval_cli_random_weights_from_a_config(adapter, tmp_path):
     assert result["tokens"] == load_dataset("demo", seq_len=16, vocab_size=VOCAB).supervised_tokens
 
 
-def test_eval_cli_errors(checkpoint, adapter, data_file, tmp_path):
-    res = cli("eval", str(checkpoint), "--adapter", str(tmp_path), "--data", str(data_file), check=False)
-    assert res.returncode == 2 and "has no adapter_config.json" in res.stderr and "Traceback" not in res.stderr
+def test_eval_cli_errors(checkpoint, adapter, data_file, tmp_path, capsys):
+    # refused before anything runs: in this process (a poros-fx subprocess costs ~8 s of imports each)
+    code, _, err = run_cli(capsys, "eval", str(checkpoint), "--adapter", str(tmp_path), "--data", str(data_file))
+    assert code == 2 and "has no adapter_config.json" in err and "Traceback" not in err
     if not torch.cuda.is_available():
-        res = cli("eval", str(checkpoint), "--data", str(data_file), "--device", "cuda", check=False)
-        assert res.returncode == 2 and "torch sees no CUDA device" in res.stderr and "Traceback" not in res.stderr
+        code, _, err = run_cli(capsys, "eval", str(checkpoint), "--data", str(data_file), "--device", "cuda")
+        assert code == 2 and "torch sees no CUDA device" in err and "Traceback" not in err

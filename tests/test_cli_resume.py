@@ -14,6 +14,7 @@ import pytest
 import torch
 from cli_helper import SCRIPT, cli
 from safetensors import safe_open
+from train_helper import run_cli
 
 from poros_fx.tools.run_state import STATE_FILE
 from poros_fx.tools.tiny import tiny_config
@@ -78,21 +79,22 @@ def test_resume_is_bit_exact(config_file, whole, tmp_path):
     assert any(k.startswith("optimizer/") and k.endswith("/exp_avg_sq") for k in tensors) and "rng/cpu" in tensors
 
 
-def test_resume_refusals(config_file, whole, tmp_path):
+def test_resume_refusals(config_file, whole, tmp_path, capsys):
+    # refused before anything trains: in this process (a poros-fx subprocess costs ~8 s of imports each)
     reference, _ = whole
-    res = cli("train", "--resume", str(reference), "--lr", "1e-3", "--seed", "3", check=False)
-    assert res.returncode == 2
-    assert "--lr 0.001 (the run has 0.0002)" in res.stderr and "--seed 3 (the run has 0)" in res.stderr
-    res = cli("train", "--resume", str(reference), check=False)
-    assert res.returncode == 2 and f"has finished its {STEPS} steps; pass --steps N" in res.stderr
-    res = cli("train", "--resume", str(tmp_path), check=False)
-    assert res.returncode == 2 and f"has no {STATE_FILE}, so it cannot be resumed" in res.stderr
+    code, _, err = run_cli(capsys, "train", "--resume", str(reference), "--lr", "1e-3", "--seed", "3")
+    assert code == 2
+    assert "--lr 0.001 (the run has 0.0002)" in err and "--seed 3 (the run has 0)" in err
+    code, _, err = run_cli(capsys, "train", "--resume", str(reference))
+    assert code == 2 and f"has finished its {STEPS} steps; pass --steps N" in err
+    code, _, err = run_cli(capsys, "train", "--resume", str(tmp_path))
+    assert code == 2 and f"has no {STATE_FILE}, so it cannot be resumed" in err
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / STATE_FILE).write_bytes((reference / STATE_FILE).read_bytes()[:1000])
-    res = cli("train", "--resume", str(broken), check=False)
-    assert res.returncode == 2 and f"{broken / STATE_FILE}: truncated" in res.stderr
-    assert "Traceback" not in res.stderr
+    code, _, err = run_cli(capsys, "train", "--resume", str(broken))
+    assert code == 2 and f"{broken / STATE_FILE}: truncated" in err
+    assert "Traceback" not in err
 
 
 def test_ctrl_c_saves_the_last_finished_step(config_file, whole, tmp_path):

@@ -12,6 +12,7 @@ from cli_helper import cli
 import torch
 import transformers
 from safetensors import safe_open
+from train_helper import run_cli
 
 from poros_fx.io.data import IGNORE_INDEX, DataError, load_dataset
 from poros_fx.io.export import ExportError, export_merged
@@ -123,23 +124,25 @@ def test_prompt_tokens_are_masked(model_dir, tmp_path):
     assert packed.input_ids.shape[1] == 16 and packed.rows > 10 and packed.input_ids.max() < VOCAB
 
 
-def test_bad_data_errors_through_the_cli(model_dir, tmp_path):
-    missing = cli("train", str(model_dir), "--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "a"),
-                  check=False)
-    assert missing.returncode == 2 and "nope.jsonl: no such file" in missing.stderr
+def test_bad_data_errors_through_the_cli(model_dir, tmp_path, capsys):
+    # refused before anything trains: in this process (a poros-fx subprocess costs ~8 s of imports each)
+    code, _, err = run_cli(capsys, "train", str(model_dir), "--data", str(tmp_path / "nope.jsonl"), "--out",
+                           str(tmp_path / "a"))
+    assert code == 2 and "nope.jsonl: no such file" in err
     (tmp_path / "data.parquet").write_text("x")
-    unknown = cli("train", str(model_dir), "--data", str(tmp_path / "data.parquet"), "--out", str(tmp_path / "a"),
-                  check=False)
-    assert unknown.returncode == 2 and "data.parquet: not a readable parquet file" in unknown.stderr
+    code, _, err = run_cli(capsys, "train", str(model_dir), "--data", str(tmp_path / "data.parquet"), "--out",
+                           str(tmp_path / "a"))
+    assert code == 2 and "data.parquet: not a readable parquet file" in err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n\n{"question": "no known field"}\n', encoding="utf-8")
-    res = cli("train", str(model_dir), "--data", str(bad), "--out", str(tmp_path / "a"), check=False)
-    assert res.returncode == 2 and f"{bad}:3: record has none of the fields" in res.stderr
+    code, _, err = run_cli(capsys, "train", str(model_dir), "--data", str(bad), "--out", str(tmp_path / "a"))
+    assert code == 2 and f"{bad}:3: record has none of the fields" in err
     # text needs a tokenizer; a random built-in shape has none
     text = tmp_path / "text.jsonl"
     text.write_text('{"text": "hello"}\n', encoding="utf-8")
-    res = cli("train", "--from-config", "qwen2.5-0.5b", "--data", str(text), "--out", str(tmp_path / "a"), check=False)
-    assert res.returncode == 2 and "needs a tokenizer and there is none" in res.stderr
+    code, _, err = run_cli(capsys, "train", "--from-config", "qwen2.5-0.5b", "--data", str(text), "--out",
+                           str(tmp_path / "a"))
+    assert code == 2 and "needs a tokenizer and there is none" in err
     assert not (tmp_path / "a").exists()
 
 
@@ -226,17 +229,17 @@ def test_export_errors(model_dir, text_adapter, tmp_path):
     export_merged(adapter, sibling, tmp_path / "out", any_base=True)
 
 
-def test_export_names_a_corrupt_adapter_in_one_line(model_dir, text_adapter, tmp_path):
+def test_export_names_a_corrupt_adapter_in_one_line(model_dir, text_adapter, tmp_path, capsys):
     import shutil
 
     adapter, _ = text_adapter
     broken = Path(shutil.copytree(adapter, tmp_path / "broken"))
     weights = broken / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])  # a truncated copy
-    res = cli("export", str(broken), "--base", str(model_dir), "-o", str(tmp_path / "merged"), check=False)
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and str(weights) in errors[0] and "truncated" in errors[0], res.stderr
+    code, _, err = run_cli(capsys, "export", str(broken), "--base", str(model_dir), "-o", str(tmp_path / "merged"))
+    assert code == 2 and "Traceback" not in err
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(weights) in errors[0] and "truncated" in errors[0], err
     assert not (tmp_path / "merged").exists()
     # a header that parses but data safetensors refuses (a dtype code it does not know)
     data = (adapter / "adapter_model.safetensors").read_bytes()
