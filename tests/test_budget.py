@@ -40,22 +40,41 @@ def reference():
     return resident, s
 
 
-@pytest.mark.parametrize("kept", [0, 2, LAYERS + 1], ids=["none", "some", "all"])
+@pytest.mark.parametrize("kept", [0, 3, LAYERS + 1], ids=["none", "some", "all"])
 def test_budget_keeps_blocks_resident_exactly(reference, kept):
     resident, streamed_stats = reference
     sizes = streamed_stats["block_bytes"]
     minimum = streamed_stats["peak_resident_base_bytes"]
-    # the plan keeps blocks from the last one backwards: head, layers.3, ...
+    names = streamed_stats["block_names"]  # embed, layers.0..3, head
+    # the plan keeps the head, then layers spread evenly: 3 blocks are the head, layers.3 and layers.1
+    wanted = {0: [], 3: ["layers.1", "layers.3", names[-1]], LAYERS + 1: names[1:]}[kept]
+    kept_bytes = sum(n for name, n in zip(names, sizes) if name in wanted)
     smallest = min(n for n in sizes if n)
-    budget = minimum + sum(sizes[len(sizes) - kept:]) + (smallest - 1 if kept <= LAYERS else 0)  # no room for more
+    budget = minimum + kept_bytes + (smallest - 1 if kept <= LAYERS else 0)  # no room for more
     trace, s = run(budget=budget)
     assert compare(trace, resident) == EQUAL, format_diffs(f"budget keeping {kept}", compare(trace, resident))
     plan = s["residency_plan"]
-    names = streamed_stats["block_names"]
-    assert plan["resident_blocks"] == (names[len(names) - kept:] if kept else [])
-    assert plan["streamed_peak"] == minimum and plan["resident_bytes"] == sum(sizes[len(sizes) - kept:])
+    assert plan["resident_blocks"] == wanted
+    assert plan["streamed_peak"] == minimum and plan["resident_bytes"] == kept_bytes
     assert s["peak_resident_base_bytes"] <= plan["predicted_peak"] <= budget
     assert plan["streamed_bytes_per_step"] == plan["streamed_bytes_per_step_before"] - 2 * plan["resident_bytes"]
+
+
+def test_kept_blocks_are_spread_over_the_layers():
+    """The head first, then layer blocks evenly spaced (the last layer among them), so a streamed block's
+    copy runs while a kept one computes; blocks of unequal size fill what room is left from the last layer."""
+    from poros_fx.runtime.budget import estimate
+
+    names = ["embed", *(f"layers.{i}" for i in range(8)), "head"]
+    sizes = [0, *[10] * 8, 30]
+    kept, kept_bytes, copied = estimate(sizes, names, budget=100 + 30 + 30 + 5, streamed_peak=100)
+    assert kept == ["layers.2", "layers.5", "layers.7", "head"] and kept_bytes == 60
+    assert copied == 2 * (sum(sizes) - 60)
+    assert estimate(sizes, names, 100 + 110, 100)[0] == names[1:]
+    assert estimate(sizes, names, 100 + 20, 100)[0] == ["layers.3", "layers.7"]  # no room for the head
+    sizes[8] = 25  # an odd last layer: the spread of two does not fit, one does, the room left takes another
+    assert estimate(sizes, names, 100 + 30 + 26, 100)[0] == ["layers.7", "head"]
+    assert estimate(sizes, names, 100 + 30 + 21, 100)[0] == ["layers.5", "layers.6", "head"]
 
 
 def test_resident_blocks_are_not_copied_again():

@@ -44,6 +44,8 @@ def test_check_builtin_and_config_file(tmp_path, capsys):
 def test_check_prefetch_auto_fixed_and_refused(capsys):
     code, out = check(capsys, "qwen2.5-7b")
     assert code == 0 and "prefetch auto loads one block ahead" in out  # the default
+    code, out = check(capsys, "qwen2.5-7b", "--memory-budget", "12GB")  # kept blocks sit between streamed ones
+    assert code == 0 and "(1 + prefetch 2) x largest load" in out and "loads two blocks ahead" in out
     code, out = check(capsys, "qwen2.5-7b", "--prefetch", "2")
     assert code == 0 and "(1 + prefetch 2) x largest load" in out and "prefetch auto" not in out
     code, out = check(capsys, "qwen2.5-7b", "--prefetch", "two")

@@ -188,12 +188,18 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         warnings.warn(UNPREPARED_WARNING, stacklevel=2)
     dumper = Dumper(opts.dump)
     requested = opts.prefetch if opts.prefetch is not None else (store.prefetch if store else 1)
+    # on CUDA only: on the CPU a load is a synchronous copy, and a deeper window only raises the peak
+    budgeted = (store is not None and store.device.type == "cuda"
+                and (opts.memory_budget is not None or store.memory_budget is not None))
     schedule = Schedule(
         graph_id=dumper.folder.name if dumper.folder else hex(id(gm)),
         options=opts,
         device=store.device if store else torch.device("cpu"),
         block_size=opts.block_size or (store.block_size if store else 1),
-        prefetch=1 if requested == AUTO else requested,  # "auto": the forward loads one block ahead
+        # "auto": the forward loads one block ahead; two under a memory budget, whose kept blocks sit
+        # between streamed ones (runtime/budget.py): one ahead, the load after a kept block would wait
+        # for the compute stream to reach that kept block, and the copy stream would idle while it computes
+        prefetch=(2 if budgeted else 1) if requested == AUTO else requested,
         stream=opts.stream,
         auto_prefetch=requested == AUTO and opts.stream,
         layer_attr=store.family.layer_attr if store else "layers",

@@ -1,6 +1,7 @@
 """Prefetch depth from measured copy and compute time (``prefetch="auto"``, the default).
 
-The forward graph is compiled before anything ran, so it prefetches one block ahead. Its first run
+The forward graph is compiled before anything ran, so it prefetches one block ahead (two under a CUDA memory
+budget: ``compiler/backend.py``). Its first run
 on CUDA times every prefetch group's copy on the copy stream and every block's compute on the
 compute stream (CUDA events; see ``GraphRuntime``). AOTAutograd compiles the backward lazily, at the
 first ``backward()``, so by then the forward has been measured and the backward's depth is chosen

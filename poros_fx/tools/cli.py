@@ -218,7 +218,7 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
     console.print(f"base: {format_bytes(sum(sizes))} loaded by {len(names)} blocks per pass (the embedding's rows are "
                   "gathered from the host store, its table is loaded only where the head shares it); "
                   f"largest block {format_bytes(max(sizes))} ({names[sizes.index(max(sizes))]})")
-    ahead = 1 if prefetch == AUTO else prefetch
+    ahead = (2 if memory_budget else 1) if prefetch == AUTO else prefetch  # a budget's forward loads two ahead
     # an lm_head over 512 MiB is loaded in row chunks of ~256 MiB (prepare.head_chunk_count): never whole
     chunks = head_chunk_count(sizes[-1], config.vocab_size)
     window = max([*sizes[:-1], -(-sizes[-1] // chunks)])
@@ -226,7 +226,7 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
         console.print(f"the head is loaded in {chunks} row chunks of {format_bytes(sizes[-1] / chunks)}")
     console.print(f"predicted peak of base weights on the device: (1 + prefetch {ahead}) x largest load = "
                   f"{format_bytes((1 + ahead) * window)} (adapter, activations and logits come on top)"
-                  + ("; prefetch auto loads one block ahead in the forward and deepens the backward only as far as "
+                  + (f"; prefetch auto loads {'one block' if ahead == 1 else 'two blocks'} ahead in the forward and deepens the backward only as far as "
                      f"half the free device memory allows (at most {LIMIT} blocks)" if prefetch == AUTO else ""))
     loss_chunks = loss_chunk_count(config.vocab_size, chunks) if chunked_loss else None
     _check_step(config, family, names, sizes, (1 + ahead) * window, seq_len, batch_size, accumulate, lora_r,
