@@ -83,11 +83,18 @@ def reference_loss(checkpoint: Path, adapter_dir, data: Path, seq_len: int, batc
     return evaluate(model.eval(), ds, batch_size, "cpu").loss
 
 
-def run_eval(tmp_path, *args) -> tuple[dict, str]:
+def run_eval(tmp_path, *args, capsys=None) -> tuple[dict, str]:
+    """``poros-fx eval ARGS``: through the installed script, or with ``capsys`` in this process (a subprocess
+    costs ~8 s of imports; one test keeps the script)."""
     out = tmp_path / "eval.json"
-    res = cli("eval", *args, "--seq-len", "16", "--batch-size", "3", "--quantization", "bf16", "--device", "cpu",
-              "--json", str(out))
-    return json.loads(out.read_text()), res.stdout
+    args = ("eval", *args, "--seq-len", "16", "--batch-size", "3", "--quantization", "bf16", "--device", "cpu", "--json",
+            str(out))
+    if capsys is None:
+        stdout = cli(*args).stdout
+    else:
+        code, stdout, err = run_cli(capsys, *args)
+        assert code == 0, err
+    return json.loads(out.read_text()), stdout
 
 
 def test_eval_cli_with_adapter_equals_unprepared(checkpoint, adapter, data_file, tmp_path):
@@ -98,17 +105,17 @@ def test_eval_cli_with_adapter_equals_unprepared(checkpoint, adapter, data_file,
     assert result["perplexity"] == pytest.approx(torch.tensor(result["loss"], dtype=torch.float64).exp().item())
 
 
-def test_eval_cli_base_alone(checkpoint, data_file, tmp_path):
-    result, stdout = run_eval(tmp_path, str(checkpoint), "--data", str(data_file))
+def test_eval_cli_base_alone(checkpoint, data_file, tmp_path, capsys):
+    result, stdout = run_eval(tmp_path, str(checkpoint), "--data", str(data_file), capsys=capsys)
     assert "(no adapter)" in stdout
     assert result["loss"] == reference_loss(checkpoint, None, data_file, 16, 3)
 
 
-def test_eval_cli_random_weights_from_a_config(adapter, tmp_path):
+def test_eval_cli_random_weights_from_a_config(adapter, tmp_path, capsys):
     tiny_config("qwen2", layers=2, vocab=VOCAB).save_pretrained(tmp_path / "cfg")
     result, stdout = run_eval(tmp_path, str(tmp_path / "cfg" / "config.json"), "--adapter", str(adapter), "--data",
-                              "demo", "--seed", "4")
-    assert "random-init weights (seed 4)" in stdout and result["weights"] == "random-init (seed 4)"
+                              "demo", "--seed", "4", capsys=capsys)
+    assert "random-init weights (seed 4)" in " ".join(stdout.split()) and result["weights"] == "random-init (seed 4)"
     assert result["tokens"] == load_dataset("demo", seq_len=16, vocab_size=VOCAB).supervised_tokens
 
 
