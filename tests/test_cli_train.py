@@ -99,13 +99,15 @@ def test_train_jsonl_text(text_adapter):
     assert "examples (text)" in stdout and "step 2/2" in stdout and "final loss" in stdout
 
 
-def test_train_csv_prompt_response(model_dir, tmp_path):
+def test_train_csv_prompt_response(model_dir, tmp_path, capsys):
     data = tmp_path / "pairs.csv"
     data.write_text("prompt,response\nwhat is two plus two?,four\n\"hello, world\",the quick brown fox\n"
                     "say poros,poros streams a frozen base\n", encoding="utf-8")
-    res = cli("train", str(model_dir), "--data", str(data), "--out", str(tmp_path / "adapter"), "--steps", "1",
-              "--no-pack", *FAST)
-    assert "3 examples (prompt/completion)" in res.stdout and "step 1/1" in res.stdout
+    # in this process (the other train runs here use the installed script; a subprocess costs ~8 s of imports)
+    code, out, err = run_cli(capsys, "train", str(model_dir), "--data", str(data), "--out", str(tmp_path / "adapter"),
+                             "--steps", "1", "--no-pack", *FAST)
+    assert code == 0, err
+    assert "3 examples (prompt/completion)" in " ".join(out.split()) and "step 1/1" in out
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
 
 
