@@ -25,6 +25,14 @@ def test_depth_hides_a_copy_under_the_backward_of_the_blocks_before_it():
         1, "prefetch auto: 1 (nothing measured: the backward was compiled before the forward ran)")
     assert choose_prefetch(timing, device_type="cpu", block_bytes=1, free_bytes=None)[0] == 1
     assert choose_prefetch(summarize_timing([8.0], [], []), device_type="cuda", block_bytes=1, free_bytes=None)[0] == 1
+    # a memory budget's kept blocks sit between streamed ones: two ahead at least, unless memory caps it
+    depth, why = choose_prefetch(timing, device_type="cuda", block_bytes=450 * 2**20, free_bytes=100 * 2**30,
+                                 budgeted=True)
+    assert depth == 2 and "at least 2 under a memory budget" in why
+    assert choose_prefetch(fast, device_type="cuda", block_bytes=2**20, free_bytes=None, budgeted=True)[0] == 3
+    assert choose_prefetch(None, device_type="cuda", block_bytes=1, free_bytes=None, budgeted=True)[0] == 2
+    assert choose_prefetch(fast, device_type="cuda", block_bytes=2**30, free_bytes=4 * 2**30, budgeted=True)[0] == 1
+    assert choose_prefetch(timing, device_type="cpu", block_bytes=1, free_bytes=None, budgeted=True)[0] == 1
 
 
 def test_auto_prefetch_on_the_cpu_trains_like_prefetch_1_and_says_why():

@@ -77,7 +77,8 @@ def _measured_depth(store: HostStore | None) -> tuple[int, str]:
     sizes = store.block_bytes()
     layer = max(sizes[1:-1]) if len(sizes) > 2 else max(sizes, default=0)
     free = torch.cuda.mem_get_info(store.device)[0] if store.device.type == "cuda" else None
-    return choose_prefetch(store.timing, device_type=store.device.type, block_bytes=layer, free_bytes=free)
+    return choose_prefetch(store.timing, device_type=store.device.type, block_bytes=layer, free_bytes=free,
+                           budgeted=store.memory_budget is not None)
 
 
 OFFLOAD_CUDA_WARNING = ("poros backend: offload_boundaries on CUDA is not yet validated bit for bit (its GPU parity "
