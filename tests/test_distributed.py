@@ -1,6 +1,6 @@
 """Several ranks on CPU (gloo, 2 processes): DDP over a prepared model, exact, and one shared host store.
 
-Each test starts its ranks as fresh processes (``multiprocessing`` spawn) with torchrun's environment
+Each test starts its ranks as fresh processes (``multiprocessing`` forkserver) with torchrun's environment
 variables and a gloo process group; every rank writes what it saw to a file, and the test reads them
 back. The shared host stores go to a private folder in ``/dev/shm`` (``POROS_FX_SHM_DIR``), which must
 be empty when the ranks are done: nothing leaks, also when a rank fails or dies. The same code runs
@@ -47,7 +47,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(target: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple) -> None:
+# Ranks fork from a server process (one per test worker) that imported these once, as multiprocessing's
+# forkserver does: a spawned rank spent ~8 s importing torch, transformers and peft before its first line.
+# The server imports nothing else and never runs a step (no Dynamo state, no CUDA, no thread pool).
+_CONTEXT = multiprocessing.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "transformers", "peft", "poros_fx", "test_distributed"])
+
+
+def _rank_main(target: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple,
+               env: dict[str, str]) -> None:
+    os.environ.clear()  # the test's environment now, not the server's from when it started
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HF_HUB_OFFLINE="1")
     torch.set_num_threads(1)
@@ -76,9 +86,9 @@ def run_ranks(target: Callable[..., Any], out: Path, *args: Any, world: int = 2)
     """``target(rank, world, *args)`` on ``world`` fresh processes; per rank: ``result`` (what it returned),
     ``error`` (its exception text) and ``exitcode``. Fails the test if a rank is still running after
     ``RANK_TIMEOUT_S`` (a hang)."""
-    ctx = multiprocessing.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(target, r, world, port, str(out), args)) for r in range(world)]
+    procs = [_CONTEXT.Process(target=_rank_main, args=(target, r, world, port, str(out), args, dict(os.environ)))
+             for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + RANK_TIMEOUT_S
