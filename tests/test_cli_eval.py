@@ -87,8 +87,8 @@ def run_eval(tmp_path, *args, capsys=None) -> tuple[dict, str]:
     """``poros-fx eval ARGS``: through the installed script, or with ``capsys`` in this process (a subprocess
     costs ~8 s of imports; one test keeps the script)."""
     out = tmp_path / "eval.json"
-    args = ("eval", *args, "--seq-len", "16", "--batch-size", "3", "--quantization", "bf16", "--device", "cpu", "--json",
-            str(out))
+    args = ("eval", *args, "--seq-len", "16", "--batch-size", "3", "--quantization", "bf16", "--device", "cpu",
+            "--json", str(out))
     if capsys is None:
         stdout = cli(*args).stdout
     else:
