@@ -226,8 +226,9 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
         console.print(f"the head is loaded in {chunks} row chunks of {format_bytes(sizes[-1] / chunks)}")
     console.print(f"predicted peak of base weights on the device: (1 + prefetch {ahead}) x largest load = "
                   f"{format_bytes((1 + ahead) * window)} (adapter, activations and logits come on top)"
-                  + (f"; prefetch auto loads {'one block' if ahead == 1 else 'two blocks'} ahead in the forward and deepens the backward only as far as "
-                     f"half the free device memory allows (at most {LIMIT} blocks)" if prefetch == AUTO else ""))
+                  + (f"; prefetch auto loads {'one block' if ahead == 1 else 'two blocks'} ahead in the forward and "
+                     f"deepens the backward only as far as half the free device memory allows (at most {LIMIT} blocks)"
+                     if prefetch == AUTO else ""))
     loss_chunks = loss_chunk_count(config.vocab_size, chunks) if chunked_loss else None
     _check_step(config, family, names, sizes, (1 + ahead) * window, seq_len, batch_size, accumulate, lora_r,
                 memory_budget, loss_chunks, offload_boundaries)
