@@ -14,7 +14,7 @@ import pytest
 import torch
 from cli_helper import SCRIPT, cli
 from safetensors import safe_open
-from train_helper import run_cli
+from train_helper import run_cli, run_cli_redirected
 
 from poros_fx.tools.run_state import STATE_FILE
 from poros_fx.tools.tiny import tiny_config
@@ -53,11 +53,14 @@ def config_file(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def whole(config_file, tmp_path_factory) -> tuple[Path, str]:
-    """The uninterrupted run, saving every 2 steps on the way."""
+    """The uninterrupted run, saving every 2 steps on the way: in this process (a subprocess costs ~8 s of
+    imports), so the resumed and the interrupted runs below, processes of their own, are compared across
+    processes. Its stdout with lines rejoined (this process's console is 80 columns wide)."""
     out = tmp_path_factory.mktemp("whole") / "adapter"
-    res = cli("train", "--from-config", str(config_file), "--out", str(out), "--steps", str(STEPS), "--save-every", "2",
-              *FAST)
-    return out, res.stdout
+    code, stdout, err = run_cli_redirected("train", "--from-config", str(config_file), "--out", str(out), "--steps",
+                                           str(STEPS), "--save-every", "2", *FAST)
+    assert code == 0, err
+    return out, " ".join(stdout.split())
 
 
 def test_resume_is_bit_exact(config_file, whole, tmp_path, capsys):

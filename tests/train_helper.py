@@ -1,6 +1,8 @@
 """A tiny checkpoint with a real tokenizer and chat template, and the CLI run in-process (shared by the
 training-loop, data and CLI-hygiene tests). Nothing is downloaded."""
 
+import contextlib
+import io
 import sys
 from pathlib import Path
 
@@ -31,17 +33,28 @@ def checkpoint(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("tiny-chat-qwen2"))
 
 
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """``poros-fx ARGS`` in this process (``cli.main``, as the script runs it): (exit code, stdout, stderr)."""
+def _main(*args: str) -> int:
     argv = sys.argv
     sys.argv = ["poros-fx", *args]
-    capsys.readouterr()
     try:
         cli_module.main()
-        code = 0
+        return 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        return e.code if isinstance(e.code, int) else 1
     finally:
         sys.argv = argv
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``poros-fx ARGS`` in this process (``cli.main``, as the script runs it): (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = _main(*args)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def run_cli_redirected(*args: str) -> tuple[int, str, str]:
+    """``run_cli`` without capsys, for a fixture wider than one test: sys.stdout and sys.stderr redirected."""
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.redirect_stderr(io.StringIO()) as err:
+        code = _main(*args)
+    return code, out.getvalue(), err.getvalue()
