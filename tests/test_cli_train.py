@@ -12,7 +12,7 @@ from cli_helper import cli
 import torch
 import transformers
 from safetensors import safe_open
-from train_helper import run_cli
+from train_helper import run_cli, run_cli_redirected
 
 from poros_fx.io.data import IGNORE_INDEX, DataError, load_dataset
 from poros_fx.io.export import ExportError, export_merged
@@ -52,13 +52,17 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def text_adapter(model_dir, tmp_path_factory) -> tuple[Path, str]:
-    """An adapter trained 2 steps on a .jsonl text file (a high lr so the merge visibly changes weights)."""
+    """An adapter trained 2 steps on a .jsonl text file (a high lr so the merge visibly changes weights), in this
+    process (a subprocess costs ~8 s of imports; test_train_demo_from_config_adapter_loads_in_peft trains through
+    the installed script). Its stdout with lines rejoined (this process's console is 80 columns wide)."""
     tmp = tmp_path_factory.mktemp("text")
     data = tmp / "train.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS * 4), encoding="utf-8")
     out = tmp / "adapter"
-    res = cli("train", str(model_dir), "--data", str(data), "--out", str(out), "--steps", "2", "--lr", "1e-2", *FAST)
-    return out, res.stdout
+    code, stdout, err = run_cli_redirected("train", str(model_dir), "--data", str(data), "--out", str(out), "--steps",
+                                           "2", "--lr", "1e-2", *FAST)
+    assert code == 0, err
+    return out, " ".join(stdout.split())
 
 
 def _lora_tensors(folder: Path) -> dict[str, torch.Tensor]:
