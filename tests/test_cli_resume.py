@@ -103,6 +103,11 @@ def test_resume_refusals(config_file, whole, tmp_path, capsys):
     assert "Traceback" not in err
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_saves_the_last_finished_step(config_file, whole, tmp_path):
     reference, _ = whole
     out = tmp_path / "adapter"
@@ -110,8 +115,9 @@ def test_ctrl_c_saves_the_last_finished_step(config_file, whole, tmp_path):
                              "500", *FAST], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={"COLUMNS": "200", "PATH": str(SCRIPT.parent), "HF_HUB_OFFLINE": "1"},
                             # a shell that starts jobs in the background (CI) leaves SIGINT ignored, and
-                            # Python then never raises KeyboardInterrupt: give the child the default
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            # Python then never raises KeyboardInterrupt: give the child the default, and
+                            # unblock it (a mask is inherited through exec; one CI run ignored the signal)
+                            preexec_fn=_default_sigint)
     try:
         deadline = time.monotonic() + 300
         for line in proc.stdout:
