@@ -88,7 +88,9 @@ class PorosOptions:
     dump: str | None = None  # folder for graph dumps; POROS_FX_DUMP when not given
     group_copies: bool = True  # False: one copy (and allocation) per tensor instead of one per block; for A/B runs
     codegen: str | None = None  # "inductor" | "eager": how regions run; None: what prepare() was given
-    turnaround: bool = True  # a training forward's last blocks stay for the backward (False: evict and reload)
+    # a training forward's last blocks stay for the backward, a backward's for the next forward (False: evict
+    # and reload)
+    turnaround: bool = True
     memory_budget: int | str | None = None  # device bytes the step may use ("24GB"); None: what prepare() was given
     block_major: bool | None = None  # an accumulation step's micro-batches go through each block together
     # (runtime/accumulate.py); None: what prepare() was given (default True)

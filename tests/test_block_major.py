@@ -35,6 +35,12 @@ def model_for(mode: str, nf4: bool = False, dtype: torch.dtype = torch.float32, 
     return model, torch.compile(model, backend="poros", options=options)
 
 
+def copied_per_forward_pass(s: dict, forwards: int) -> int:
+    """Bytes a run copied as if no forward took the first layer block the backward before it left on the
+    device (every forward but the first does: prefetch 1 on the CPU, ``compiler/backend.py``)."""
+    return s["bytes_copied"] + (forwards - 1) * s["block_bytes"][1]
+
+
 def run(mode: str, accumulate: int, steps: int = STEPS, seq: int = 16, **kw):
     torch._dynamo.reset()
     model, step_model = model_for(mode, **kw)
@@ -54,8 +60,9 @@ def test_block_major_equals_micro_batch_major_and_resident(accumulate, nf4, dtyp
     assert compare(block, micro) == EQUAL, format_diffs("block-major vs micro-batch-major", compare(block, micro))
     assert compare(block, resident) == EQUAL, format_diffs("block-major vs stream=False", compare(block, resident))
     assert s["block_major_steps"] == STEPS and m["block_major_steps"] == 0
-    # each block crosses the link once per pass per optimizer step, not once per micro-batch
-    assert m["bytes_copied"] == accumulate * s["bytes_copied"]
+    # each block crosses the link once per pass per optimizer step, not once per micro-batch (block-major
+    # runs STEPS forwards, micro-batch-major STEPS * accumulate)
+    assert copied_per_forward_pass(m, STEPS * accumulate) == accumulate * copied_per_forward_pass(s, STEPS)
     assert s["forward_runs"] == s["backward_runs"] == STEPS * accumulate
     if codegen == "eager":  # CPU aten kernels: the plain eager loop too
         eager, _ = run("eager", accumulate, nf4=nf4, dtype=dtype)
@@ -294,4 +301,4 @@ def test_trainer_runs_block_major(tmp_path):
     assert not [w for w in caught if "block-major" in str(w.message)]  # no fallback: it really ran block-major
     ref_weights, ref_log, m = fit(False)
     assert log == ref_log and all(torch.equal(a, b) for a, b in zip(weights, ref_weights))
-    assert s["block_major_steps"] == 2 and m["bytes_copied"] == 2 * s["bytes_copied"]
+    assert s["block_major_steps"] == 2 and copied_per_forward_pass(m, 4) == 2 * copied_per_forward_pass(s, 2)

@@ -180,7 +180,9 @@ def test_kept_blocks_are_given_back_when_what_stays_allocated_grows(reference):
 
 def test_turnaround_blocks_are_not_evicted_and_reloaded():
     """The head and the last layer block are the forward's last blocks and the backward's first: their
-    forward copies stay for the backward. Exact, the same peak, fewer bytes, nothing left after."""
+    forward copies stay for the backward; the first layer block is the backward's last and the next
+    forward's first: its backward copy stays for that forward. Exact, the same peak, fewer bytes, only
+    that block left after the last step."""
     resident, _ = run(stream=False)
     counts = {}
     for turnaround in (True, False):
@@ -192,9 +194,27 @@ def test_turnaround_blocks_are_not_evicted_and_reloaded():
         counts[turnaround] = poros_fx.stats(model)
     on, off = counts[True], counts[False]
     sizes = on["block_bytes"]
-    assert off["bytes_loaded"] - on["bytes_loaded"] == 8 * (sizes[-1] + sizes[-2])  # 8 micro-batches
+    # 8 micro-batches, each a forward and a backward; every forward but the first starts with layers.0
+    assert off["bytes_loaded"] - on["bytes_loaded"] == 8 * (sizes[-1] + sizes[-2]) + 7 * sizes[1]
     assert on["peak_resident_base_bytes"] == off["peak_resident_base_bytes"]
-    assert on["resident_base_bytes"] == off["resident_base_bytes"] == 0
+    assert on["resident_base_bytes"] == sizes[1] and off["resident_base_bytes"] == 0
+
+
+def test_a_measuring_step_leaves_no_copies_for_the_next_forward(reference):
+    """The step that measures for a budget runs fully streamed from start to end: its backward leaves
+    nothing for the next forward (whose plan may keep that block); the steps after it do."""
+    _, streamed_stats = reference
+    torch._dynamo.reset()
+    model = poros_fx.prepare(tiny_lora_model("qwen2", layers=LAYERS), device="cpu",
+                             memory_budget=streamed_stats["peak_resident_base_bytes"])  # room for nothing kept
+    step_model = torch.compile(model, backend="poros")
+    first, second = demo_batches(2)
+    step_model(**first, use_cache=False).loss.backward()
+    assert poros_fx.stats(model)["resident_base_bytes"] == 0
+    step_model(**second, use_cache=False).loss.backward()
+    s = poros_fx.stats(model)
+    assert s["residency_plan"]["resident_blocks"] == []
+    assert s["resident_base_bytes"] == s["block_bytes"][1]  # layers.0, for the next forward
 
 
 def test_a_forward_without_backward_leaves_nothing_behind():
@@ -207,7 +227,8 @@ def test_a_forward_without_backward_leaves_nothing_behind():
     del loss
     assert poros_fx.stats(model)["resident_base_bytes"] > 0
     step_model(**batch, use_cache=False).loss.backward()  # the next step's backward drops what it did not take
-    assert poros_fx.stats(model)["resident_base_bytes"] == 0
+    s = poros_fx.stats(model)
+    assert s["resident_base_bytes"] == s["block_bytes"][1]  # layers.0, left for the next forward
 
 
 def test_loader_and_cli_take_a_budget(tmp_path):

@@ -28,14 +28,19 @@ def test_peak_and_loads(block_size, prefetch, nf4):
     blocks = s["block_bytes"]
     assert s["block_names"][0] == "embed" and s["block_names"][-1] == "head"
     assert len(blocks) == 2 + 4 // block_size
-    assert s["resident_base_bytes"] == 0, "everything loaded was evicted"
+    # everything loaded was evicted but the first `prefetch` layer blocks, which the backward left for the
+    # next forward (it starts with them)
+    back = sum(blocks[1:1 + prefetch])
+    assert s["resident_base_bytes"] == back
     assert 0 < s["peak_resident_base_bytes"] <= (1 + prefetch) * max(blocks)
     # every decoder-layer and head weight twice per micro-batch (forward, recompute), except the
     # turn-around: the head (and with prefetch, the last layer block) stay from the forward's end into the
-    # backward, which starts with them; the embedding table never: its rows are gathered from the host store
+    # backward, which starts with them, and the backward's last blocks stay for the next forward (the
+    # compiling step left them for the first of these); the embedding table never: its rows are
+    # gathered from the host store
     assert blocks[0] == 0
     turnaround = blocks[-1] + (blocks[-2] if prefetch >= 1 else 0)
-    assert s["bytes_loaded"] == micro * (2 * sum(blocks) - turnaround)
+    assert s["bytes_loaded"] == micro * (2 * sum(blocks) - turnaround - back)
     assert s["recomputed_blocks"] == micro * (len(blocks) - 1)
     assert s["forward_runs"] == s["backward_runs"] == micro
 

@@ -157,6 +157,17 @@ def _reused_by_backward(schedule: Schedule, phase: str, store_head_chunks: int) 
     return frozenset({head, head - 1} if schedule.prefetch >= 1 else {head})
 
 
+def _reused_by_forward(schedule: Schedule) -> frozenset[int]:
+    """The blocks a training backward leaves on the device for the next step's forward, which starts with
+    them: the forward's first ``prefetch`` layer blocks (the backward ends with them; the forward's window
+    at its start holds the same ones, so the peak bound (1 + prefetch) x largest block still holds). A
+    block the memory budget keeps is not left (it stays anyway); nothing is left by a step that measures
+    for the budget. ``options={"turnaround": False}``: none."""
+    if not schedule.stream or not schedule.options.turnaround or len(schedule.blocks) < 3:
+        return frozenset()
+    return frozenset(range(1, min(1 + schedule.prefetch, len(schedule.blocks) - 1)))
+
+
 def _check_cuda_graphs(schedule: Schedule) -> None:
     """``options={"cuda_graphs": True}`` needs a CUDA device, and a step whose saved tensors no copy stream
     reads after the graph's run (``offload_boundaries`` copies them to the host on the copy stream)."""
@@ -281,12 +292,15 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
             if schedule.auto_prefetch and phase == "backward":
                 schedule.prefetch, schedule.prefetch_note = _measured_depth(store)
             reused = _reused_by_backward(schedule, phase, store.head_chunks if store else 1)
-            if phase == "forward":
+            if phase == "forward":  # by the forward's prefetch (a backward with prefetch "auto" measures its own)
                 schedule.reused_by_backward = reused
+                schedule.reused_by_forward = _reused_by_forward(schedule) if schedule.blocks else frozenset()
             schedule.runtime = GraphRuntime(store, schedule.stream, phase,
                                             measure=schedule.auto_prefetch and phase == "forward",
                                             reused_by_backward=reused, schedule=schedule,
-                                            training=bool(schedule.blocks))
+                                            training=bool(schedule.blocks),
+                                            reused_by_forward=schedule.reused_by_forward if phase == "backward"
+                                            else frozenset())
             if not schedule.blocks:  # an inference graph: no joint graph went through the partitioner
                 schedule.num_fwd_outputs = len(next(iter(graph.graph.find_nodes(op="output"))).args[0])
                 for inference_pass in INFERENCE_PASSES:

@@ -87,6 +87,7 @@ class Schedule:
     stream: bool
     layer_attr: str = "layers"
     reused_by_backward: frozenset = frozenset()  # blocks whose forward copies the backward takes over (no evict, no reload)
+    reused_by_forward: frozenset = frozenset()  # blocks whose backward copies the next forward takes over
     layers_from_loads: bool = False  # module paths named no layer (a graph break inside one): placed by loads
     num_fwd_outputs: int = 0  # joint graph outputs that belong to the forward
     blocks: list[Block] = dataclasses.field(default_factory=list)

@@ -87,10 +87,14 @@ def build(schedule: Schedule) -> Timeline:
             if n.op == "placeholder" and phase == "backward" and not n.name.startswith("primals_"):
                 hold(n, i)
             # a turn-around block's forward copy is not evicted; the backward takes it over, no load
-            turned = n.meta.get(BLOCK, n.args[2] if _is(n, GraphRuntime.load) else -1) in schedule.reused_by_backward
+            block = n.meta.get(BLOCK, n.args[2] if _is(n, GraphRuntime.load) else -1)
+            turned = block in schedule.reused_by_backward
+            # and the backward's last blocks stay for the next step's forward (its loads are drawn: the step
+            # drawn could be the first)
+            left = phase == "backward" and block in schedule.reused_by_forward
             if _is(n, GraphRuntime.load) and not (turned and phase == "backward"):
                 loads.append((n.args[2], pos))
-            elif _is(n, GraphRuntime.evict) and not (turned and phase == "forward"):
+            elif _is(n, GraphRuntime.evict) and not (turned and phase == "forward") and not left:
                 evicts.append((n.meta.get(BLOCK, -1), pos))
             if _allocates(n) or _is(n, GraphRuntime.load):
                 hold(n, i)  # a forward value saved for the backward lives until the forward's output

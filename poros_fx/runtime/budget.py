@@ -160,6 +160,14 @@ def _allocated(store: Any) -> int:
     return store.ledger.resident_bytes
 
 
+def measures_next(store: Any, size: int) -> bool:
+    """Whether the next training forward, on inputs of ``size`` elements, measures a new plan
+    (``start_measuring``): the first step under a budget, or one larger than the plan was measured on."""
+    if store.memory_budget is None or store.budget_measuring:
+        return False
+    return store.plan is None or size > store.plan.measured_size
+
+
 def start_measuring(store: Any, size: int) -> None:
     """Before a training forward of a store with a budget, whose inputs hold ``size`` elements (times
     the micro-batches run together). The first one, and one larger than any measured before (a longer
@@ -177,6 +185,12 @@ def start_measuring(store: Any, size: int) -> None:
         store.budget_notes = notes
         p = None
     if p is not None:
+        # the peak since the last forward started also covers its backward's end and the optimizer step
+        # after it (which the check after the backward did not see): the copies that backward left for
+        # this forward are on the device through it
+        peak, _ = _step_peak(store)
+        _give_back_over(store, peak, f"before forward run {store.ledger.forward_runs + 1}: the last step with the "
+                                     "optimizer step after it")
         fit(store)
     else:
         store.budget_measuring = True
@@ -188,21 +202,26 @@ def start_measuring(store: Any, size: int) -> None:
     store.budget_captures = store.region_graphs.counters.captures if store.region_graphs is not None else 0
 
 
+def _step_peak(store: Any) -> tuple[int, str]:
+    """The peak since the training forward in flight (or last) started, and how it was measured."""
+    if store.device.type != "cuda":
+        return store.ledger.step_peak, "cpu: base bytes on the device (ledger)"
+    peak, how = torch.cuda.max_memory_allocated(store.device), "cuda: max_memory_allocated over the step"
+    graphs = store.region_graphs
+    if graphs is not None and graphs.counters.captures == store.budget_captures:
+        # replayed CUDA graphs write their pool, which the allocator's counters do not see (a step that
+        # recorded allocated its pool's tensors like any other, and max_memory_allocated saw them)
+        peak += graphs.pool_bytes()
+        how += " + the CUDA graphs' pool"
+    return peak, how
+
+
 def measure_and_plan(store: Any) -> None:
     """After a training step of a store with a budget: a measuring step makes the plan from its peak; a
     step that ran with a plan and peaked above the budget gives kept blocks back for the next one."""
     if store.memory_budget is None:
         return
-    if store.device.type == "cuda":
-        peak, how = torch.cuda.max_memory_allocated(store.device), "cuda: max_memory_allocated over the step"
-        graphs = store.region_graphs
-        if graphs is not None and graphs.counters.captures == store.budget_captures:
-            # replayed CUDA graphs write their pool, which the allocator's counters do not see (a step that
-            # recorded allocated its pool's tensors like any other, and max_memory_allocated saw them)
-            peak += graphs.pool_bytes()
-            how += " + the CUDA graphs' pool"
-    else:
-        peak, how = store.ledger.step_peak, "cpu: base bytes on the device (ledger)"
+    peak, how = _step_peak(store)
     if store.budget_measuring:
         store.plan = plan(store, store.memory_budget, peak, how, transient=peak - store.budget_start)
         store.plan.measured_size = store.budget_size
@@ -213,27 +232,32 @@ def measure_and_plan(store: Any) -> None:
         store.plan.last_peak = peak
         redump(store)
         return
-    p = store.plan
-    if p is None:
+    if store.plan is None:
         return
-    p.last_peak = peak
-    if peak > p.budget:  # over: the next step gets the overflow back, earliest kept layer first
-        over, given = peak - p.budget, []
-        sizes = store.block_bytes()
-        while p.resident_blocks and over > 0:
-            name = p.resident_blocks.pop(0)
-            index = store.block_names.index(name)
-            p.resident_bytes -= sizes[index]
-            p.streamed_bytes_per_step += 2 * sizes[index]
-            p.transient += sizes[index]  # the measured step needed that much more than the plan said
-            over -= sizes[index]
-            given.append(name)
-            _release_block(store, index)
-        store.kept_hosts = resident_hosts(store, p)
-        p.adjustments.append(f"after forward run {store.ledger.forward_runs}: the step peaked at {decimal_bytes(peak)}, above "
-                             f"the budget; gave back {len(given)} kept block(s)"
-                             + (f" ({given[0]}..{given[-1]})" if given else " (none left to give)"))
-        redump(store)
+    store.plan.last_peak = peak
+    _give_back_over(store, peak, f"after forward run {store.ledger.forward_runs}: the step")
+
+
+def _give_back_over(store: Any, peak: int, what: str) -> None:
+    """``peak`` above the plan's budget: the next step gets the overflow back, earliest kept layer first."""
+    p = store.plan
+    if peak <= p.budget:
+        return
+    over, given = peak - p.budget, []
+    sizes = store.block_bytes()
+    while p.resident_blocks and over > 0:
+        name = p.resident_blocks.pop(0)
+        index = store.block_names.index(name)
+        p.resident_bytes -= sizes[index]
+        p.streamed_bytes_per_step += 2 * sizes[index]
+        p.transient += sizes[index]  # the measured step needed that much more than the plan said
+        over -= sizes[index]
+        given.append(name)
+        _release_block(store, index)
+    store.kept_hosts = resident_hosts(store, p)
+    p.adjustments.append(f"{what} peaked at {decimal_bytes(peak)}, above the budget; gave back {len(given)} kept "
+                         "block(s)" + (f" ({given[0]}..{given[-1]})" if given else " (none left to give)"))
+    redump(store)
 
 
 def fit(store: Any) -> None:
@@ -243,7 +267,8 @@ def fit(store: Any) -> None:
     to give and it still does not."""
     p = store.plan
     resident = sum(nbytes(t) for t in store.resident_cache.values() if id(t) in store.kept_ids)
-    baseline = _allocated(store) - resident
+    # the copies the last backward left for this forward are part of its window, not of what stays
+    baseline = _allocated(store) - resident - store.copies_for_forward_bytes()
     p.predicted_peak = baseline + p.transient + p.resident_bytes
     if p.predicted_peak <= p.budget:
         return

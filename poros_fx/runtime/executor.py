@@ -99,7 +99,8 @@ def plan_group(hosts: list[torch.Tensor]) -> GroupPlan:
 
 class GraphRuntime:
     def __init__(self, store: HostStore | None, stream: bool, phase: str, measure: bool = False,
-                 reused_by_backward: frozenset[int] = frozenset(), schedule: Any = None, training: bool = False) -> None:
+                 reused_by_backward: frozenset[int] = frozenset(), schedule: Any = None, training: bool = False,
+                 reused_by_forward: frozenset[int] = frozenset()) -> None:
         # weak: Dynamo's cache holds the compiled graph, which must not keep an unprepared or freed model's
         # store (its whole pinned base) alive
         self._store_ref = weakref.ref(store) if store is not None else None
@@ -118,6 +119,8 @@ class GraphRuntime:
         self._lockstep: dict[Any, Any] = {}  # (phase, per-micro-batch inputs) -> lockstep plan
         # forward blocks whose copies stay for the backward, which starts with them (turn-around)
         self.reused_by_backward = reused_by_backward
+        # backward blocks whose copies stay for the next forward, which starts with them (the other way round)
+        self.reused_by_forward = reused_by_forward
         self.overlap = stream and store is not None and store.device.type == "cuda"
         # time the first run's copies and blocks with CUDA events (prefetch "auto", runtime/depth.py)
         self.measure = measure and self.overlap
@@ -151,21 +154,40 @@ class GraphRuntime:
             cached = [self.store.resident_cache.get(cache_key(h)) for h in hosts]
             if all(t is not None for t in cached):
                 return cached
-        if self.phase == "backward" and self.store.copies_for_backward:
-            stashed = self.store.copies_for_backward.pop(tuple(h.data_ptr() for h in hosts), None)
-            if stashed is not None:  # the forward's last copies of this block: still on the device
-                return stashed
-        out = self._copy_group(hosts, device, block)
-        if block in self.reused_by_backward and not kept:
-            key = tuple(h.data_ptr() for h in hosts)
-            self._release(self.store.copies_for_backward.pop(key, ()))  # an earlier forward's, never taken
-            self.store.copies_for_backward[key] = out
-            self.store.stashed_ids.update(id(t) for t in out)
+        key = tuple(h.data_ptr() for h in hosts)
+        out = None if kept else self._take_turnaround(key)
+        if out is None:
+            out = self._copy_group(hosts, device, block)
+        if not kept:
+            self._leave_turnaround(key, block, out)
         if kept:
             for h, t in zip(hosts, out):
                 self.store.resident_cache[cache_key(h)] = t
                 self.store.kept_ids[id(t)] = False
         return out
+
+    def _take_turnaround(self, key: tuple[int, ...]) -> list[torch.Tensor] | None:
+        """The copies of the group at host addresses ``key`` that the other phase left on the device: a
+        backward takes its forward's last blocks, a forward the last blocks of the backward before it."""
+        store = self.store
+        stash = store.copies_for_backward if self.phase == "backward" else store.copies_for_forward
+        return stash.pop(key, None) if stash else None
+
+    def _leave_turnaround(self, key: tuple[int, ...], block: int, out: list[torch.Tensor]) -> None:
+        """Keep ``out`` (block ``block``'s copies) for the other phase when it starts with this block."""
+        store = self.store
+        if self.phase == "forward" and block in self.reused_by_backward:
+            self._release(store.copies_for_backward.pop(key, ()))  # an earlier forward's, never taken
+            store.copies_for_backward[key] = out
+            store.stashed_ids.update(id(t) for t in out)
+        elif self.phase == "backward" and block in self.reused_by_forward and not store.budget_measuring:
+            stale = store.copies_for_forward.pop(key, ())  # an earlier backward's, never taken
+            for t in stale:
+                if id(t) in store.forward_stashed_ids:
+                    store.forward_stashed_ids.discard(id(t))
+                    store.ledger.on_evict(nbytes(t))
+            store.copies_for_forward[key] = out
+            store.forward_stashed_ids.update(id(t) for t in out)
 
     def _copy_group(self, hosts: list[torch.Tensor], device: torch.device, block: int) -> list[torch.Tensor]:
         key = tuple(h.data_ptr() for h in hosts)
@@ -209,6 +231,10 @@ class GraphRuntime:
             out = group[index]
             if self.phase == "backward" and id(out) in self.store.stashed_ids:
                 self.store.stashed_ids.discard(id(out))  # booked by the forward; the backward evicts it
+                self._blocks_loaded.add(block)
+                return out
+            if self.phase == "forward" and id(out) in self.store.forward_stashed_ids:
+                self.store.forward_stashed_ids.discard(id(out))  # booked by the backward; the forward evicts it
                 self._blocks_loaded.add(block)
                 return out
             booked = self.store.kept_ids.get(id(out))
@@ -314,6 +340,8 @@ class GraphRuntime:
     def evict(self, loaded: torch.Tensor) -> None:
         if self.phase == "forward" and id(loaded) in self.store.stashed_ids:
             return  # a turn-around copy: the backward takes it over (and evicts it)
+        if self.phase == "backward" and id(loaded) in self.store.forward_stashed_ids:
+            return  # one the next forward takes over
         if id(loaded) not in self.store.kept_ids:  # kept resident by the memory budget: stays
             self.store.ledger.on_evict(nbytes(loaded))
 
@@ -364,17 +392,22 @@ class GraphRuntime:
         hold ``size`` elements each: ``input_elements``) with the store's bookkeeping around it: one graph
         at a time, the memory budget's measurements and plan (training steps only), the turn-around
         copies no backward took."""
-        steps = self.store.steps
+        store = self.store
+        steps = store.steps
         steps.begin()  # one graph of a model at a time (runtime/store.py)
         if self.stream and self.phase == "forward" and self.training:
-            budget.start_measuring(self.store, size * runs)
+            if budget.measures_next(store, size * runs):  # a measuring step starts with nothing of the last one
+                store.drop_copies_for_forward()
+            budget.start_measuring(store, size * runs)
         try:
             out = self._run(graph_run, runs)
         finally:
             steps.end()
+        if self.stream and self.phase == "forward":
+            store.drop_copies_for_forward()  # what this forward did not take (a block the budget keeps now)
         if self.stream and self.phase == "backward":
             self._drop_copies_for_backward()
-            budget.measure_and_plan(self.store)  # after the first step: which blocks stay resident
+            budget.measure_and_plan(store)  # after the first step: which blocks stay resident
         return out
 
     def input_shapes(self, args: list[Any]) -> tuple[Any, ...]:

@@ -96,6 +96,9 @@ class HostStore:
     # turn-around: a training forward's last blocks stay for the backward, which starts with them
     copies_for_backward: dict[tuple[int, ...], list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # host ptrs -> forward copies the backward takes
     stashed_ids: set[int] = dataclasses.field(default_factory=set)  # ids of those copies, booked, not yet evicted
+    # and back: a training backward's last blocks stay for the next forward, which starts with them
+    copies_for_forward: dict[tuple[int, ...], list[torch.Tensor]] = dataclasses.field(default_factory=dict)  # host ptrs -> backward copies the next forward takes
+    forward_stashed_ids: set[int] = dataclasses.field(default_factory=set)  # ids of those copies, booked, not yet evicted
     offload_boundaries: bool = False  # the saved block outputs wait in host memory (options={"offload_boundaries": ...} wins)
     lm_ref: Any = None  # weakref to the prepared *ForCausalLM module (its chunked-loss flag, loss.py)
     offloaded: collections.deque[Any] = dataclasses.field(  # weak refs to the last steps' host copies of them
@@ -187,6 +190,20 @@ class HostStore:
     def pinned_bytes(self) -> int:
         """Page-locked host bytes the store holds (the arena's exact size; 0 for a CPU compute device)."""
         return self.arena.pinned_bytes if self.arena is not None else 0
+
+    def drop_copies_for_forward(self) -> None:
+        """Give back the copies a backward left for the next forward (a step that measures for the memory
+        budget starts without them; a forward that did not take them leaves them here)."""
+        for tensors in self.copies_for_forward.values():
+            for t in tensors:
+                if id(t) in self.forward_stashed_ids:
+                    self.forward_stashed_ids.discard(id(t))
+                    self.ledger.on_evict(nbytes(t))
+        self.copies_for_forward.clear()
+
+    def copies_for_forward_bytes(self) -> int:
+        """Device bytes of the copies a backward left for the next forward."""
+        return sum(nbytes(t) for tensors in self.copies_for_forward.values() for t in tensors)
 
     def forget_plan(self) -> None:
         """Drop the memory budget's plan and the device copies it kept (a new budget plans anew)."""
