@@ -16,8 +16,8 @@ is measured once, in that first step. With CUDA graphs (``runtime/cuda_graphs.py
 them counts their pool too, which the allocator's counters do not see while a graph writes it. What stays allocated between steps can grow after it: the
 optimizer's state appears at the first ``optimizer.step()``, after the first step's backward. So every
 later training forward checks ``allocated now (less the kept blocks) + transient + kept blocks``
-against the budget before it runs, and gives kept blocks back (the earliest layers first) until it
-fits; ``adjustments`` in the plan say when and why.
+against the budget before it runs, and gives kept blocks back until it fits, keeping what stays spread
+over the layers; ``adjustments`` in the plan say when and why.
 
 Resident blocks are still recomputed in the backward (only their loads are skipped): the graphs and
 kernels do not change with the plan, so streamed == ``stream=False`` holds for every budget, and the
@@ -239,30 +239,21 @@ def measure_and_plan(store: Any) -> None:
 
 
 def _give_back_over(store: Any, peak: int, what: str) -> None:
-    """``peak`` above the plan's budget: the next step gets the overflow back, earliest kept layer first."""
+    """``peak`` above the plan's budget: the next step gets the overflow back (``_keep_within``)."""
     p = store.plan
     if peak <= p.budget:
         return
-    over, given = peak - p.budget, []
-    sizes = store.block_bytes()
-    while p.resident_blocks and over > 0:
-        name = p.resident_blocks.pop(0)
-        index = store.block_names.index(name)
-        p.resident_bytes -= sizes[index]
-        p.streamed_bytes_per_step += 2 * sizes[index]
-        p.transient += sizes[index]  # the measured step needed that much more than the plan said
-        over -= sizes[index]
-        given.append(name)
-        _release_block(store, index)
-    store.kept_hosts = resident_hosts(store, p)
+    before = p.resident_bytes
+    given = _keep_within(store, p, p.resident_bytes - (peak - p.budget))
+    p.transient += before - p.resident_bytes  # the measured step needed that much more than the plan said
     p.adjustments.append(f"{what} peaked at {decimal_bytes(peak)}, above the budget; gave back {len(given)} kept "
-                         "block(s)" + (f" ({given[0]}..{given[-1]})" if given else " (none left to give)"))
+                         f"block(s){_listed(given)}")
     redump(store)
 
 
 def fit(store: Any) -> None:
     """Before a training forward with a plan: if what stays allocated between steps grew since the plan
-    (the optimizer's state, the user's tensors), give kept blocks back, earliest layer first, until
+    (the optimizer's state, the user's tensors), give kept blocks back (``_keep_within``) until
     ``allocated - kept + transient + kept`` fits the budget; ``PorosOOMError`` if nothing kept is left
     to give and it still does not."""
     p = store.plan
@@ -272,16 +263,7 @@ def fit(store: Any) -> None:
     p.predicted_peak = baseline + p.transient + p.resident_bytes
     if p.predicted_peak <= p.budget:
         return
-    sizes = store.block_bytes()
-    given = []
-    while p.resident_blocks and baseline + p.transient + p.resident_bytes > p.budget:
-        name = p.resident_blocks.pop(0)
-        index = store.block_names.index(name)
-        p.resident_bytes -= sizes[index]
-        p.streamed_bytes_per_step += 2 * sizes[index]
-        given.append(name)
-        _release_block(store, index)
-    store.kept_hosts = resident_hosts(store, p)
+    given = _keep_within(store, p, p.budget - baseline - p.transient)
     p.predicted_peak = baseline + p.transient + p.resident_bytes
     if p.predicted_peak > p.budget:
         smallest = baseline + p.transient
@@ -292,8 +274,36 @@ def fit(store: Any) -> None:
     if given:
         p.adjustments.append(f"after forward run {store.ledger.forward_runs}: {decimal_bytes(baseline)} stays allocated between "
                              f"steps (was {decimal_bytes(store.budget_start)} when the first step started: optimizer state?); "
-                             f"gave back {len(given)} kept block(s) ({given[0]}..{given[-1]})")
+                             f"gave back {len(given)} kept block(s){_listed(given)}")
         redump(store)
+
+
+def _keep_within(store: Any, p: ResidencyPlan, room: int) -> list[str]:
+    """Keep of the plan's kept blocks what fits in ``room`` bytes, chosen by the plan's own rule among them
+    (``_fitting``: the head, then spread evenly), so the blocks given back are spread over the layers too:
+    giving back the earliest left a run of streamed layers whose copies the compute could not hide (72B
+    under 24 GB gave back layers.2..8 after the first step). Returns the names given back."""
+    sizes = store.block_bytes()
+    kept = {store.block_names.index(name) for name in p.resident_blocks}
+    among = [n if i in kept else 0 for i, n in enumerate(sizes)]
+    keep = set(_fitting(among, room)) if room > 0 else set()
+    given = [name for name in p.resident_blocks if store.block_names.index(name) not in keep]
+    for name in given:
+        _release_block(store, store.block_names.index(name))
+    p.resident_blocks = [name for name in p.resident_blocks if store.block_names.index(name) in keep]
+    resident = sum(sizes[i] for i in keep)
+    p.streamed_bytes_per_step += 2 * (p.resident_bytes - resident)
+    p.resident_bytes = resident
+    store.kept_hosts = resident_hosts(store, p)
+    return given
+
+
+def _listed(names: list[str], shown: int = 6) -> str:
+    """`` (a, b, c)`` for an adjustment's note; the first ``shown`` and a count past them."""
+    if not names:
+        return " (none left to give)"
+    more = f", and {len(names) - shown} more" if len(names) > shown else ""
+    return f" ({', '.join(names[:shown])}{more})"
 
 
 def _release_block(store: Any, index: int) -> None:
