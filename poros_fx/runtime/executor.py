@@ -148,30 +148,26 @@ class GraphRuntime:
 
     def load_group(self, hosts: list[torch.Tensor], device: torch.device, block: int) -> list[torch.Tensor]:
         """Device copies of ``hosts`` (one prefetch group), as views of one new device buffer laid out
-        by the group's ``GroupPlan``."""
-        kept = self.stream and bool(self.store.kept_hosts) and all(id(h) in self.store.kept_hosts for h in hosts)
+        by the group's ``GroupPlan``; or the copies the other phase left on the device (turn-around: a
+        backward takes its forward's last blocks, a forward the last blocks of the backward before it)."""
+        store = self.store
+        kept = self.stream and bool(store.kept_hosts) and all(id(h) in store.kept_hosts for h in hosts)
         if kept:  # a block the memory budget keeps resident (runtime/budget.py): copied once, then reused
-            cached = [self.store.resident_cache.get(cache_key(h)) for h in hosts]
+            cached = [store.resident_cache.get(cache_key(h)) for h in hosts]
             if all(t is not None for t in cached):
                 return cached
         key = tuple(h.data_ptr() for h in hosts)
-        out = None if kept else self._take_turnaround(key)
+        stash = store.copies_for_backward if self.phase == "backward" else store.copies_for_forward
+        out = stash.pop(key, None) if stash and not kept else None
         if out is None:
-            out = self._copy_group(hosts, device, block)
-        if not kept:
-            self._leave_turnaround(key, block, out)
+            out = self._copy_group(hosts, device, block, key)
         if kept:
             for h, t in zip(hosts, out):
-                self.store.resident_cache[cache_key(h)] = t
-                self.store.kept_ids[id(t)] = False
+                store.resident_cache[cache_key(h)] = t
+                store.kept_ids[id(t)] = False
+        elif block in self.reused_by_backward or block in self.reused_by_forward:
+            self._leave_turnaround(key, block, out)
         return out
-
-    def _take_turnaround(self, key: tuple[int, ...]) -> list[torch.Tensor] | None:
-        """The copies of the group at host addresses ``key`` that the other phase left on the device: a
-        backward takes its forward's last blocks, a forward the last blocks of the backward before it."""
-        store = self.store
-        stash = store.copies_for_backward if self.phase == "backward" else store.copies_for_forward
-        return stash.pop(key, None) if stash else None
 
     def _leave_turnaround(self, key: tuple[int, ...], block: int, out: list[torch.Tensor]) -> None:
         """Keep ``out`` (block ``block``'s copies) for the other phase when it starts with this block."""
@@ -189,9 +185,9 @@ class GraphRuntime:
             store.copies_for_forward[key] = out
             store.forward_stashed_ids.update(id(t) for t in out)
 
-    def _copy_group(self, hosts: list[torch.Tensor], device: torch.device, block: int) -> list[torch.Tensor]:
-        key = tuple(h.data_ptr() for h in hosts)
-        plan = self._plans.get(key)
+    def _copy_group(self, hosts: list[torch.Tensor], device: torch.device, block: int,
+                    key: tuple[int, ...]) -> list[torch.Tensor]:
+        plan = self._plans.get(key)  # key: the hosts' addresses
         if plan is None:
             moved = [self.store.name_of(h) for h in hosts if h.device.type != "cpu"]
             if moved:
