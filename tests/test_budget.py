@@ -216,6 +216,32 @@ def test_kept_blocks_are_given_back_when_the_time_between_steps_peaked_above_the
     assert compare(both, steps(resident, 0, 4, accumulate=2)) == EQUAL
 
 
+def test_a_peak_over_the_budget_is_given_back_once(reference):
+    """The check after a backward and the one before the next forward read the same peak counter (reset when
+    a training forward starts): a step that went over gives the overflow back once, not again at the next
+    forward."""
+    from poros_fx.prepare import get_store
+    from poros_fx.runtime import budget
+
+    _, streamed_stats = reference
+    sizes = streamed_stats["block_bytes"]
+    torch._dynamo.reset()
+    model = poros_fx.prepare(tiny_lora_model("qwen2", layers=LAYERS), device="cpu",
+                             memory_budget=streamed_stats["peak_resident_base_bytes"] + sum(sizes))
+    step_model = torch.compile(model, backend="poros")
+    for batch in demo_batches(2):
+        step_model(**batch, use_cache=False).loss.backward()
+    store = get_store(model)
+    p = store.plan
+    assert len(p.resident_blocks) == LAYERS + 1
+    store.ledger.step_peak = p.budget + sizes[1]  # as if the step just run had peaked one block over
+    budget.measure_and_plan(store)
+    kept, notes = list(p.resident_blocks), len(p.adjustments)
+    assert len(kept) < LAYERS + 1 and notes == 1
+    budget.start_measuring(store, p.measured_size)  # the next training forward: the same peak, nothing new
+    assert p.resident_blocks == kept and len(p.adjustments) == notes
+
+
 # -- turn-around ---------------------------------------------------------------------------------------------
 
 def test_turnaround_blocks_are_not_evicted_and_reloaded():

@@ -186,11 +186,12 @@ def start_measuring(store: Any, size: int) -> None:
         p = None
     if p is not None:
         # the peak since the last forward started also covers its backward's end and the optimizer step
-        # after it (which the check after the backward did not see): the copies that backward left for
-        # this forward are on the device through it
+        # after it, which the check after the backward did not see (the copies that backward left for this
+        # forward are on the device through it); the same counter, so only what rose above the peak that
+        # check saw, and above the budget, is new
         peak, _ = _step_peak(store)
-        _give_back_over(store, peak, f"before forward run {store.ledger.forward_runs + 1}: the last step with the "
-                                     "optimizer step after it")
+        _give_back_over(store, peak - max(p.last_peak, p.budget), peak,
+                        f"before forward run {store.ledger.forward_runs + 1}: the last step with the optimizer step after it")
         fit(store)
     else:
         store.budget_measuring = True
@@ -235,16 +236,17 @@ def measure_and_plan(store: Any) -> None:
     if store.plan is None:
         return
     store.plan.last_peak = peak
-    _give_back_over(store, peak, f"after forward run {store.ledger.forward_runs}: the step")
+    _give_back_over(store, peak - store.plan.budget, peak, f"after forward run {store.ledger.forward_runs}: the step")
 
 
-def _give_back_over(store: Any, peak: int, what: str) -> None:
-    """``peak`` above the plan's budget: the next step gets the overflow back (``_keep_within``)."""
+def _give_back_over(store: Any, over: int, peak: int, what: str) -> None:
+    """A step that peaked at ``peak``, ``over`` bytes above the plan's budget (nothing when ``over <= 0``):
+    the next step gets that much back (``_keep_within``)."""
     p = store.plan
-    if peak <= p.budget:
+    if over <= 0:
         return
     before = p.resident_bytes
-    given = _keep_within(store, p, p.resident_bytes - (peak - p.budget))
+    given = _keep_within(store, p, p.resident_bytes - over)
     p.transient += before - p.resident_bytes  # the measured step needed that much more than the plan said
     p.adjustments.append(f"{what} peaked at {decimal_bytes(peak)}, above the budget; gave back {len(given)} kept "
                          f"block(s){_listed(given)}")
