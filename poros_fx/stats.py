@@ -15,7 +15,8 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     """Counters of the model's residency ledger since prepare (or the last ``reset=True`` call).
 
     Keys: ``peak_resident_base_bytes`` (most base bytes on the compute device at once),
-    ``resident_base_bytes`` (now), ``block_bytes`` (list, per block: embed, layer blocks, head),
+    ``resident_base_bytes`` (now: between training steps the blocks a memory budget keeps and the first
+    layer blocks the last backward left for the next forward), ``block_bytes`` (list, per block: embed, layer blocks, head),
     ``block_names``, ``bytes_loaded``, ``loads`` (tensors), ``copies`` (host-to-device copy calls: one per
     contiguous host range of a block), ``bytes_copied``, ``evictions``, ``eager_loads`` (of ``loads``: made
     outside the poros graphs by ``poros::load`` itself, neither streamed nor recomputed), ``recomputed_blocks``
