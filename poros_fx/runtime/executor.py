@@ -177,11 +177,7 @@ class GraphRuntime:
             store.copies_for_backward[key] = out
             store.stashed_ids.update(id(t) for t in out)
         elif self.phase == "backward" and block in self.reused_by_forward and not store.budget_measuring:
-            stale = store.copies_for_forward.pop(key, ())  # an earlier backward's, never taken
-            for t in stale:
-                if id(t) in store.forward_stashed_ids:
-                    store.forward_stashed_ids.discard(id(t))
-                    store.ledger.on_evict(nbytes(t))
+            store.drop_copies_for_forward(key)  # an earlier backward's, never taken
             store.copies_for_forward[key] = out
             store.forward_stashed_ids.update(id(t) for t in out)
 

@@ -191,15 +191,15 @@ class HostStore:
         """Page-locked host bytes the store holds (the arena's exact size; 0 for a CPU compute device)."""
         return self.arena.pinned_bytes if self.arena is not None else 0
 
-    def drop_copies_for_forward(self) -> None:
-        """Give back the copies a backward left for the next forward (a step that measures for the memory
-        budget starts without them; a forward that did not take them leaves them here)."""
-        for tensors in self.copies_for_forward.values():
-            for t in tensors:
+    def drop_copies_for_forward(self, key: tuple[int, ...] | None = None) -> None:
+        """Give back the copies a backward left for the next forward (``key``: only those of the group at these
+        host addresses): a step that measures for the memory budget starts without them, a forward that did
+        not take them leaves them here, a backward replaces an earlier one's."""
+        for k in list(self.copies_for_forward) if key is None else [key]:
+            for t in self.copies_for_forward.pop(k, ()):
                 if id(t) in self.forward_stashed_ids:
                     self.forward_stashed_ids.discard(id(t))
                     self.ledger.on_evict(nbytes(t))
-        self.copies_for_forward.clear()
 
     def copies_for_forward_bytes(self) -> int:
         """Device bytes of the copies a backward left for the next forward."""
