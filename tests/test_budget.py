@@ -151,22 +151,30 @@ def spread_with_head(names: list[str], count: int) -> list[str]:
     return [names[i] for i in _spread(layers, count - 1)] + [names[-1]] if count > 1 else names[-1:][:count]
 
 
+def every_block_kept(budget: int):
+    """A fresh model with room for every block in ``budget``, trained two optimizer steps of 2 micro-batches:
+    (model, compiled, the 8 batches, its AdamW, the trace of those first 4)."""
+    from poros_fx.tools.parity import adamw
+
+    torch._dynamo.reset()
+    model = poros_fx.prepare(tiny_lora_model("qwen2", layers=LAYERS, dropout=0.1), device="cpu", memory_budget=budget)
+    step_model = torch.compile(model, backend="poros")
+    batches, opt = demo_batches(8), adamw(model)
+    return model, step_model, batches, opt, train(model, step_model, batches[:4], accumulate=2, optimizer=opt)
+
+
 def test_kept_blocks_are_given_back_when_what_stays_allocated_grows(reference):
     """What stays allocated between steps can grow after the plan was made (on a GPU the optimizer's state
     appears at the first optimizer.step(), after the measured step); the next training forward gives kept
     blocks back until the budget holds again, what stays spread over the layers, and the run stays exact."""
     import warnings
 
-    from poros_fx.tools.parity import adamw, steps
+    from poros_fx.tools.parity import steps
 
     resident, streamed_stats = reference
     sizes = streamed_stats["block_bytes"]
     budget = streamed_stats["peak_resident_base_bytes"] + sum(sizes)  # room for every block
-    torch._dynamo.reset()
-    model = poros_fx.prepare(tiny_lora_model("qwen2", layers=LAYERS, dropout=0.1), device="cpu", memory_budget=budget)
-    step_model = torch.compile(model, backend="poros")
-    batches, opt = demo_batches(8), adamw(model)
-    first = train(model, step_model, batches[:4], accumulate=2, optimizer=opt)
+    model, step_model, batches, opt, first = every_block_kept(budget)
     kept_before = list(poros_fx.stats(model)["residency_plan"]["resident_blocks"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the eager load below is warned about once
@@ -188,16 +196,12 @@ def test_kept_blocks_are_given_back_when_the_time_between_steps_peaked_above_the
     forward checks the peak since the last one started and gives kept blocks back when it was over."""
     import warnings
 
-    from poros_fx.tools.parity import adamw, steps
+    from poros_fx.tools.parity import steps
 
     resident, streamed_stats = reference
     sizes = streamed_stats["block_bytes"]
     budget = streamed_stats["peak_resident_base_bytes"] + sum(sizes)  # room for every block
-    torch._dynamo.reset()
-    model = poros_fx.prepare(tiny_lora_model("qwen2", layers=LAYERS, dropout=0.1), device="cpu", memory_budget=budget)
-    step_model = torch.compile(model, backend="poros")
-    batches, opt = demo_batches(8), adamw(model)
-    first = train(model, step_model, batches[:4], accumulate=2, optimizer=opt)
+    model, step_model, batches, opt, first = every_block_kept(budget)
     kept_before = list(poros_fx.stats(model)["residency_plan"]["resident_blocks"])
     allocated = poros_fx.stats(model)["resident_base_bytes"]
     with warnings.catch_warnings():
