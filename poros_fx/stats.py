@@ -34,7 +34,10 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     peak and the base bytes copied per micro-batch with and without the plan; ``runtime/budget.py``),
     ``cuda_graphs`` (``None`` unless ``options={"cuda_graphs": True}``; then the region calls captured, replayed,
     run uncaptured while warming up or beyond the chains kept, or fallen back from a recorded graph, the input
-    bytes copied into graphs, the pool tensors copied out, and the pool's bytes: ``runtime/cuda_graphs.py``),
+    bytes copied into graphs, the pool tensors copied out, the chains recorded again because what they read in
+    place had moved (``rerecorded``), the pool's bytes, and ``load_slots``: the fixed
+    buffers streamed layer blocks land in so the graphs read them in place, their bytes, the loads into them
+    and those that found every slot in use: ``runtime/cuda_graphs.py``, ``runtime/load_slots.py``),
     ``compile`` (host seconds of the one-time work, summed over the graphs compiled so far: ``graphs``,
     ``joint_trace_s`` (AOTAutograd up to the partition),
     ``partition_s``, ``forward_passes_s`` / ``backward_passes_s`` (our passes and each graph's codegen),

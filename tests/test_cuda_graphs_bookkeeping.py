@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from poros_fx.runtime.cuda_graphs import WARMUP_RUNS, RegionGraphs
+from poros_fx.runtime.cuda_graphs import RERECORDS, WARMUP_RUNS, RegionGraphs
 
 
 class Replayer:
@@ -79,16 +79,22 @@ def test_runs_warm_up_record_replay_and_equal_the_direct_calls():
     assert [s.kind for s in recorded[("layer0", ())].inputs] == ["copy", "direct"]
 
 
-def test_a_moved_parameter_runs_uncaptured_and_stays_equal():
+def test_a_moved_parameter_runs_uncaptured_then_is_recorded_again():
+    """A parameter read in place that moved: its calls run uncaptured (still equal), the next run records the
+    chain again and later runs replay it; after ``RERECORDS`` of those, a move runs uncaptured for good."""
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8)
     graphs = RegionGraphs(torch.device("cpu"), backend=Replayer())
     for run in range(3):
         step(graphs, x, w, seed=run)
-    moved = w.detach().clone().requires_grad_()  # the same values at another address
-    got = step(graphs, x, moved, seed=3)
-    assert all(torch.equal(g, e) for g, e in zip(got, step(None, x, moved, seed=3)))
-    assert graphs.counters.fallbacks == 2 and graphs.counters.replays == 2  # run 2 replayed; run 3 fell back
+    c = graphs.counters
+    for i in range(RERECORDS + 1):
+        w = w.detach().clone().requires_grad_()  # the same values at another address
+        for run in range(3):  # falls back (the first call; the second reads its output), records, replays
+            got = step(graphs, x, w, seed=10 * i + run)
+            assert all(torch.equal(g, e) for g, e in zip(got, step(None, x, w, seed=10 * i + run)))
+    assert c.rerecorded == RERECORDS and c.captures == 2 * (1 + RERECORDS)
+    assert c.fallbacks == 2 * RERECORDS + 2 * 3 and c.replays == 2 * (1 + RERECORDS)
 
 
 def test_each_input_shape_is_a_chain_of_its_own():

@@ -160,6 +160,18 @@ def _allocated(store: Any) -> int:
     return store.ledger.resident_bytes
 
 
+def _load_window(store: Any) -> int:
+    """Device bytes allocated between steps that belong to the steps' loads, which a step's transient holds:
+    the copies the last backward left for the next forward, and the CUDA graphs' load slots
+    (``load_slots.py``) they may lie in. Not part of what stays allocated between steps."""
+    if store.device.type != "cuda":
+        return store.copies_for_forward_bytes()  # the ledger books those copies; no slots off CUDA
+    slots = store.region_graphs.load_slots if store.region_graphs is not None else None
+    if slots is None:
+        return store.copies_for_forward_bytes()
+    return slots.nbytes() + store.copies_for_forward_bytes(unless=slots.holds)
+
+
 def measures_next(store: Any, size: int) -> bool:
     """Whether the next training forward, on inputs of ``size`` elements, measures a new plan
     (``start_measuring``): the first step under a budget, or one larger than the plan was measured on."""
@@ -196,7 +208,7 @@ def start_measuring(store: Any, size: int) -> None:
     else:
         store.budget_measuring = True
         store.budget_size = size
-    store.budget_start = _allocated(store)
+    store.budget_start = _allocated(store) - _load_window(store)
     store.ledger.start_step()
     if store.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(store.device)
@@ -260,8 +272,7 @@ def fit(store: Any) -> None:
     to give and it still does not."""
     p = store.plan
     resident = sum(nbytes(t) for t in store.resident_cache.values() if id(t) in store.kept_ids)
-    # the copies the last backward left for this forward are part of its window, not of what stays
-    baseline = _allocated(store) - resident - store.copies_for_forward_bytes()
+    baseline = _allocated(store) - resident - _load_window(store)
     p.predicted_peak = baseline + p.transient + p.resident_bytes
     if p.predicted_peak <= p.budget:
         return

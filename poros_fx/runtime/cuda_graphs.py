@@ -26,11 +26,15 @@ may replay next. Within a run the calls free their tensors where the recording r
 is straight-line code, run boxed), so a replay finds its bytes as its capture left them.
 
 **Inputs.** Each tensor input of a captured call is read in place (*direct*: an adapter parameter, a block
-kept resident, an earlier replay's output: the same address every run) or copied into the graph's own
-buffer before the replay (*copy*: a streamed block's load, a mask, the embedding's output: a new tensor
-every run). A CPU tensor (a host scalar the region branches on) keys the graph by its values. A replay
-whose direct input moved, or whose key was never recorded, runs uncaptured instead (counted in
-``stats()["graph_fallbacks"]``): the same kernels, so still exact, only slower.
+kept resident, a streamed block's load, which lands in a fixed slot (``runtime/load_slots.py``), an earlier
+replay's output: the same address every run) or copied into the graph's own buffer before the replay
+(*copy*: a mask, the embedding's output: a new tensor every run). A CPU tensor (a host scalar the region
+branches on) keys the graph by its values. A replay whose key was never recorded, or whose direct input
+moved, runs uncaptured instead (counted in ``stats()["cuda_graphs"]["fallbacks"]``): the same kernels, so
+still exact, only slower. A chain whose direct input moved is recorded again on its next run, up to
+``RERECORDS`` times (``rerecorded``): a memory budget's plan that changed moves the blocks it keeps, and
+the step after one that measured for the budget takes the load slots in another order than the steps
+after it (it starts without the blocks the backward before it would have left on the device).
 
 Not captured: block-major accumulation steps (``runtime/accumulate.py`` runs several micro-batches'
 calls interleaved) and boundary offloading (``passes/offload.py``: the copy stream reads a saved tensor
@@ -48,9 +52,12 @@ from typing import Any, Callable
 
 import torch
 
+from .load_slots import LoadSlots
+
 logger = logging.getLogger("poros_fx")
 
 WARMUP_RUNS = 1  # uncaptured runs of a chain before it is recorded
+RERECORDS = 2  # times a chain is recorded again after a replay found an input it reads in place elsewhere
 MAX_CHAINS = 16  # chains recorded per model (sizes x host values x graphs); runs of any other run uncaptured
 HOST_VALUES = 16  # a CPU tensor input up to this many elements keys a graph by its values; a larger one is not captured
 
@@ -98,6 +105,8 @@ class Captured:
 class Chain:
     runs: int = 0  # runs seen (warmup, then the recording one)
     broken: str | None = None  # why it runs uncaptured for good (a capture failed)
+    moved: bool = False  # a replay found an input the graphs read in place at another address
+    rerecords: int = 0  # times it was recorded again for that
     graphs: dict[Any, Captured] = dataclasses.field(default_factory=dict)  # (site, host values) -> graph
 
 
@@ -109,6 +118,7 @@ class Counters:
     uncaptured: int = 0  # region calls of a chain warming up, broken or beyond MAX_CHAINS
     copied_bytes: int = 0  # input bytes copied into graphs' buffers before replays
     escaped: int = 0  # pool tensors an outer run returned, copied out
+    rerecorded: int = 0  # chains recorded again because inputs read in place had moved
 
 
 @dataclasses.dataclass
@@ -180,6 +190,7 @@ class RegionGraphs:
         self.counters = Counters()
         self.run: Run | None = None
         self.warned: set[str] = set()
+        self.load_slots = LoadSlots()  # where streamed layer blocks land, so replays read them in place
         self._pool_bytes = (0, 0)  # (captures when measured, bytes)
 
     # -- the outer run ------------------------------------------------------------------------------------
@@ -244,6 +255,8 @@ class RegionGraphs:
             return self._record(run, key, fn, inputs)
         captured = run.chain.graphs.get(key)
         if captured is None or not self._fits(captured, inputs):
+            if captured is not None and _moved(captured, inputs):
+                run.chain.moved = True  # recorded again on its next run (``_start``)
             self.warn_once("fallback", f"region call {site} runs uncaptured: its inputs are not where its graph was "
                                    "recorded (a new host value, or a tensor that moved); said once, counted in "
                                    "stats()['cuda_graphs']['fallbacks']")
@@ -268,6 +281,14 @@ class RegionGraphs:
         run.chain = chain
         if chain.broken is not None:
             run.mode = "uncaptured"
+        elif chain.graphs and chain.moved and chain.rerecords < RERECORDS:
+            # what it reads in place lies elsewhere now and stays there (a memory budget's plan changed, the
+            # load slots are taken in another order after a step that measured for the budget): record anew
+            chain.graphs.clear()
+            chain.moved = False
+            chain.rerecords += 1
+            self.counters.rerecorded += 1
+            run.mode = "record"
         elif chain.graphs:
             run.mode = "replay"
         else:
@@ -386,7 +407,8 @@ class RegionGraphs:
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self.counters)
         out.update(chains=len(self.chains), recorded=sum(1 for c in self.chains.values() if c.graphs),
-                   broken=[c.broken for c in self.chains.values() if c.broken], pool_bytes=self.pool_bytes())
+                   broken=[c.broken for c in self.chains.values() if c.broken], pool_bytes=self.pool_bytes(),
+                   load_slots=self.load_slots.as_dict())
         return out
 
     def warn_once(self, kind: str, message: str) -> None:
@@ -395,6 +417,12 @@ class RegionGraphs:
         if kind not in self.warned:
             self.warned.add(kind)
             logger.warning("poros: %s", message)
+
+
+def _moved(captured: Captured, inputs: list) -> bool:
+    """Whether an input ``captured`` reads in place is at another address now (same shape and dtype)."""
+    return any(slot.kind == DIRECT and t.data_ptr() != slot.ptr and t.shape == slot.shape and t.dtype == slot.dtype
+               for t, slot in zip(inputs, captured.inputs))
 
 
 def _unfilled(t: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from ..errors import PorosConfigError, PorosOOMError
 from .arena import ALIGN, nbytes
 from . import budget, draws
 from .depth import summarize_timing
+from .load_slots import LoadSlots
 from .lockstep import Lockstep
 from .store import HostStore, cache_key
 
@@ -160,7 +161,7 @@ class GraphRuntime:
         stash = store.copies_for_backward if self.phase == "backward" else store.copies_for_forward
         out = stash.pop(key, None) if stash and not kept else None
         if out is None:
-            out = self._copy_group(hosts, device, block, key)
+            out = self._copy_group(hosts, device, block, key, self._slots_for(block, kept))
         if kept:
             for h, t in zip(hosts, out):
                 store.resident_cache[cache_key(h)] = t
@@ -181,15 +182,28 @@ class GraphRuntime:
             store.copies_for_forward[key] = out
             store.forward_stashed_ids.update(id(t) for t in out)
 
+    def _slots_for(self, block: int, kept: bool) -> LoadSlots | None:
+        """The model's load slots (``runtime/load_slots.py``) when a load of ``block`` lands in one: a streamed
+        layer block of a graph whose region calls CUDA graphs replay, so they read it where it lies."""
+        if not self.cuda_graphs or kept or not self.stream:
+            return None
+        graphs = self.store.region_graphs
+        if graphs is None or not self.store.block_names[block].startswith("layers"):
+            return None  # the head and the embedding are not read by region calls
+        return graphs.load_slots
+
     def _copy_group(self, hosts: list[torch.Tensor], device: torch.device, block: int,
-                    key: tuple[int, ...]) -> list[torch.Tensor]:
+                    key: tuple[int, ...], slots: LoadSlots | None = None) -> list[torch.Tensor]:
         plan = self._plans.get(key)  # key: the hosts' addresses
         if plan is None:
             moved = [self.store.name_of(h) for h in hosts if h.device.type != "cpu"]
             if moved:
                 raise PorosConfigError(self.store.moved_message(moved))
             plan = self._plans[key] = plan_group(hosts)
-        buffer = self._allocate((plan.size + ALIGN,), (1,), torch.uint8, device, block)
+        size = plan.size + ALIGN
+        buffer = slots.take(size, device, lambda n: self._allocate((n,), (1,), torch.uint8, device, block)) if slots else None
+        if buffer is None:
+            buffer = self._allocate((size,), (1,), torch.uint8, device, block)
         shift = -buffer.data_ptr() % ALIGN  # CUDA allocations start on 512 B already; CPU ones on 64
         typed = {dtype: buffer[shift:shift + plan.size].view(dtype) for dtype in plan.dtypes}
         out: list[Any] = [None if v is None else typed[v[1]].as_strided(v[2], v[3], (shift + v[0]) // v[1].itemsize)
@@ -411,10 +425,12 @@ class GraphRuntime:
                      for i in self._data_positions)
 
     def is_resident(self, t: torch.Tensor) -> bool:
-        """``t`` is a base tensor kept on the device at one address (a block the budget keeps, or a
-        ``stream=False`` copy), which a CUDA graph may read in place."""
+        """``t`` is a base tensor kept on the device at one address (a block the budget keeps, a streamed block
+        in a load slot, or a ``stream=False`` copy), which a CUDA graph may read in place."""
         store = self.store
-        return id(t) in store.kept_ids or (not self.stream and any(v is t for v in store.resident_cache.values()))
+        if id(t) in store.kept_ids or (store.region_graphs is not None and store.region_graphs.load_slots.holds(t)):
+            return True
+        return not self.stream and any(v is t for v in store.resident_cache.values())
 
     def input_elements(self, args: list[Any]) -> int:
         """Elements of a run's own inputs (token ids, labels, masks: not the model's parameters or base

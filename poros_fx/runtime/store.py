@@ -13,7 +13,7 @@ import dataclasses
 import sys
 import threading
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -86,7 +86,7 @@ class HostStore:
     regions: Any = None  # compiler.regions.RegionTable of the decoder layers (None: layers traced inline)
     memory_budget: int | None = None  # bytes the step may use on the device (runtime/budget.py); None: stream all
     budget_measuring: bool = False  # the first step (fully streamed) is measuring its peak for the plan
-    budget_start: int = 0  # bytes allocated when the step in flight started (runtime/budget.py)
+    budget_start: int = 0  # bytes allocated when the step in flight started, less its loads' (runtime/budget.py)
     budget_size: int = 0  # input elements of the step being measured
     budget_captures: int = 0  # CUDA graphs captured when the step in flight started (runtime/cuda_graphs.py)
     budget_notes: list[str] = dataclasses.field(default_factory=list)  # the plan's history across re-measurements
@@ -201,9 +201,10 @@ class HostStore:
                     self.forward_stashed_ids.discard(id(t))
                     self.ledger.on_evict(nbytes(t))
 
-    def copies_for_forward_bytes(self) -> int:
-        """Device bytes of the copies a backward left for the next forward."""
-        return sum(nbytes(t) for tensors in self.copies_for_forward.values() for t in tensors)
+    def copies_for_forward_bytes(self, unless: Callable[[torch.Tensor], bool] | None = None) -> int:
+        """Device bytes of the copies a backward left for the next forward (those for which ``unless`` is false)."""
+        return sum(nbytes(t) for tensors in self.copies_for_forward.values() for t in tensors
+                   if unless is None or not unless(t))
 
     def forget_plan(self) -> None:
         """Drop the memory budget's plan and the device copies it kept (a new budget plans anew)."""

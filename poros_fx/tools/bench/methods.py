@@ -47,7 +47,9 @@ class Method:
     models: tuple[str, ...] | None = None  # only these models (None: all)
     budget: bool = False  # setup also takes memory_budget= (the run's --memory-budget)
     own_process: bool = False  # measured in a process of its own on a checkpoint (unsloth.py), not on the model
-    warmup: int = 1  # untimed steps at least (CUDA graphs: the first step warms up, the second records)
+    warmup: int = 1  # untimed steps at least (CUDA graphs: the first step warms up, the second records; under a
+    # budget the first measures and the second records, and the third finds the load slots taken in the steady
+    # order, which the fourth records again: runtime/cuda_graphs.py)
 
 
 def _peft_resident(model: nn.Module, block_size: int | None) -> Runner:
@@ -212,9 +214,9 @@ METHODS: Mapping[str, Method] = types.MappingProxyType({
     "poros_saved_graphs": Method("poros_saved_graphs", "prepared", _poros_saved_graphs, compiled=True, streams=True,
                                  per_block_size=True, warmup=2),
     "poros_budget_graphs": Method("poros_budget_graphs", "prepared", _poros_budget_graphs, compiled=True,
-                                  streams=True, per_block_size=True, budget=True, warmup=2),
+                                  streams=True, per_block_size=True, budget=True, warmup=4),
     "poros_budget_saved_graphs": Method("poros_budget_saved_graphs", "prepared", _poros_budget_saved_graphs,
-                                        compiled=True, streams=True, per_block_size=True, budget=True, warmup=2),
+                                        compiled=True, streams=True, per_block_size=True, budget=True, warmup=4),
     # accumulation micro-batch after micro-batch, each copying the base (the default runs them block-major)
     "poros_micro_major": Method("poros_micro_major", "prepared", _poros_micro_major, compiled=True, streams=True,
                                 per_block_size=True),

@@ -230,6 +230,7 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
             if graphs is not None:  # replays write the pool, which max_memory_allocated does not see: added on top
                 row["cuda_graphs"] = {k: v for k, v in graphs.items() if k != "broken"} | {"broken": len(graphs["broken"])}
                 row["graph_pool_gb"] = round(graphs["pool_bytes"] / 1e9, 3)
+                row["load_slots_gb"] = round(graphs["load_slots"]["bytes"] / 1e9, 3)  # inside max_memory_allocated
                 timed_peak += graphs["pool_bytes"]
             row["peak_gb"] = round(max(warm_peak, timed_peak) / 1e9, 3)
         if config.profile_dir is not None:  # after the peak is read: the profiler allocates too
