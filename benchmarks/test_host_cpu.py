@@ -13,7 +13,8 @@ device time. ``make bench-cpu`` writes ``docs/bench/cpu/host_cost.{json,md}`` (`
   loads, bookkeeping and the recompute's few kernels included (from the minimum step: the machine is
   shared, and a neighbour's work only ever adds time).
 - ``test_load_group``: ``GraphRuntime.load_group`` for one block's base, as one span of the arena (the
-  regions' layout) and as its separate tensors; on the CPU it copies the bytes too (a few hundred kB).
+  regions' layout), as its separate tensors, and as the span into a load slot (under CUDA graphs: a free
+  slot found instead of an allocation); on the CPU it copies the bytes too (a few hundred kB).
 - ``test_graph_replay``: the host work of one region call replayed from a CUDA graph
   (``runtime/cuda_graphs.py``: the checks that its inputs are where it was recorded, the copy into its
   buffer, its outputs), with a stand-in whose replay does nothing; on the GPU the replay is one launch.
@@ -28,6 +29,7 @@ device time. ``make bench-cpu`` writes ``docs/bench/cpu/host_cost.{json,md}`` (`
 
 import gc
 import inspect
+import types
 
 import pytest
 import torch
@@ -80,18 +82,24 @@ def test_step(benchmark, mode, layers):
     benchmark.pedantic(step, rounds=40, iterations=1, warmup_rounds=3)
 
 
-@pytest.mark.parametrize("layout", ["span", "tensors"])
+@pytest.mark.parametrize("layout", ["span", "tensors", "slots"])
 def test_load_group(benchmark, layout):
     step, model, _ = _trainer("streamed", 2)
     step()
     store = get_store(model)
     block = 1  # layers.0
-    entries = [e for e in store.entries.values() if block in e.blocks and e.spans == (layout == "span")]
+    entries = [e for e in store.entries.values() if block in e.blocks and e.spans == (layout != "tensors")]
     hosts = [e.host for e in entries]
-    runtime = GraphRuntime(store, stream=True, phase="forward")
+    schedule = None
+    if layout == "slots":  # as under CUDA graphs: the span lands in a load slot (runtime/load_slots.py)
+        store.region_graphs = RegionGraphs(torch.device("cpu"), backend=_ReplayNothing())
+        schedule = types.SimpleNamespace(options=types.SimpleNamespace(cuda_graphs=True, block_major=False))
+    runtime = GraphRuntime(store, stream=True, phase="forward", schedule=schedule)
     runtime.load_group(hosts, torch.device("cpu"), block)  # plans the group's layout once, as a step does
     benchmark.extra_info.update(tensors=len(hosts), bytes=sum(e.nbytes for e in entries))
     benchmark(runtime.load_group, hosts, torch.device("cpu"), block)
+    if layout == "slots":  # each call found the slot the call before it freed
+        assert store.region_graphs.load_slots.as_dict()["slots"] <= 2
 
 
 class _ReplayNothing:

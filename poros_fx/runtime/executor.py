@@ -201,7 +201,7 @@ class GraphRuntime:
                 raise PorosConfigError(self.store.moved_message(moved))
             plan = self._plans[key] = plan_group(hosts)
         size = plan.size + ALIGN
-        buffer = slots.take(size, device, lambda n: self._allocate((n,), (1,), torch.uint8, device, block)) if slots else None
+        buffer = slots.take(size, lambda n: self._allocate((n,), (1,), torch.uint8, device, block)) if slots else None
         if buffer is None:
             buffer = self._allocate((size,), (1,), torch.uint8, device, block)
         shift = -buffer.data_ptr() % ALIGN  # CUDA allocations start on 512 B already; CPU ones on 64

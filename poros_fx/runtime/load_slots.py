@@ -10,9 +10,9 @@ fixed order, so the same load of the same step lands at the same address every s
 where it lies.
 
 **Which slot.** ``take`` hands out the first slot of the size asked for that nothing uses any more: a
-load is a tensor over the slot's storage, so the slot is free again once the storage's only reference is
-the slot's own — every view of the load, and every tensor a replay rebuilt over it, gone (and a slot's
-bytes outlive the slots themselves while a tensor over them does). A step runs the
+load's tensors are views of the slot's tensor, so the slot is free again once its storage has only the
+references it had when it was made — every view of the load, and every tensor a replay rebuilt over it,
+gone (and a slot's bytes outlive the slots themselves while a view of them does). A step runs the
 same code in the same order every time, so it frees and takes slots in the same order and gets the same
 addresses; a step that finds them taken differently (a new shape, a plan that changed) makes the graphs
 whose inputs moved run uncaptured (``fallbacks``), still exact. When every slot of the size is in use a new
@@ -31,7 +31,6 @@ transient, not in what stays allocated between steps.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
@@ -39,14 +38,18 @@ import torch
 MAX_SLOTS = 8  # slots of one size; a load beyond them is an ordinary allocation (read through a copy by the graphs)
 
 
-@dataclasses.dataclass(eq=False)
 class Slot:
-    storage: torch.UntypedStorage  # the slot's bytes; every load into the slot is a tensor over this storage
+    """One slot: a uint8 tensor that every load into the slot is a view of."""
+
+    def __init__(self, owner: torch.Tensor) -> None:
+        self.owner = owner
+        self._storage = owner.untyped_storage()  # kept: its reference is counted in the baseline
+        self._unused = torch._C._storage_Use_Count(self._storage._cdata)  # references while no load uses it
 
     def free(self) -> bool:
-        # this object's own reference is the only one: no tensor over the slot is alive (torch's cudagraph trees
-        # tell a dead storage the same way)
-        return torch._C._storage_Use_Count(self.storage._cdata) == 1
+        # every view of the owner, and every tensor rebuilt over its storage, holds one more reference to
+        # the storage (torch's cudagraph trees tell a dead storage by the same count)
+        return torch._C._storage_Use_Count(self._storage._cdata) == self._unused
 
 
 class LoadSlots:
@@ -58,28 +61,27 @@ class LoadSlots:
         self.takes = 0
         self.overflows = 0  # takes that found every slot of their size in use with MAX_SLOTS made
 
-    def take(self, size: int, device: torch.device,
-             allocate: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
-        """A uint8 tensor of ``size`` bytes over a free slot of that size (made with ``allocate(size)``
-        when none is free), or ``None`` when ``MAX_SLOTS`` of that size are in use."""
+    def take(self, size: int, allocate: Callable[[int], torch.Tensor]) -> torch.Tensor | None:
+        """A free slot of ``size`` bytes (a uint8 tensor made with ``allocate(size)`` when none is free; the
+        caller takes views of it), or ``None`` when ``MAX_SLOTS`` of that size are in use."""
         slots = self.by_size.setdefault(size, [])
         slot = next((s for s in slots if s.free()), None)
         if slot is None:
             if len(slots) >= MAX_SLOTS:
                 self.overflows += 1
                 return None
-            slot = Slot(allocate(size).untyped_storage())
+            slot = Slot(allocate(size))
             slots.append(slot)
-            self.addresses.add(slot.storage.data_ptr())
+            self.addresses.add(slot.owner.data_ptr())
         self.takes += 1
-        return torch.empty(0, dtype=torch.uint8, device=device).set_(slot.storage, 0, (size,), (1,))
+        return slot.owner
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lies in a slot (a load the graphs may read in place)."""
         return t.untyped_storage().data_ptr() in self.addresses
 
     def nbytes(self) -> int:
-        return sum(s.storage.nbytes() for slots in self.by_size.values() for s in slots)
+        return sum(s.owner.numel() for slots in self.by_size.values() for s in slots)
 
     def as_dict(self) -> dict[str, int]:
         return {"slots": sum(len(s) for s in self.by_size.values()), "bytes": self.nbytes(), "takes": self.takes,
