@@ -164,12 +164,10 @@ def _load_window(store: Any) -> int:
     """Device bytes allocated between steps that belong to the steps' loads, which a step's transient holds:
     the copies the last backward left for the next forward, and the CUDA graphs' load slots
     (``load_slots.py``) they may lie in. Not part of what stays allocated between steps."""
-    if store.device.type != "cuda":
-        return store.copies_for_forward_bytes()  # the ledger books those copies; no slots off CUDA
-    slots = store.region_graphs.load_slots if store.region_graphs is not None else None
-    if slots is None:
+    graphs = store.region_graphs if store.device.type == "cuda" else None  # off CUDA the ledger counts, no slots
+    if graphs is None:
         return store.copies_for_forward_bytes()
-    return slots.nbytes() + store.copies_for_forward_bytes(unless=slots.holds)
+    return graphs.load_slots.nbytes() + store.copies_for_forward_bytes(unless=graphs.load_slots.holds)
 
 
 def measures_next(store: Any, size: int) -> bool:
