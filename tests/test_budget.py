@@ -19,10 +19,10 @@ EQUAL = {s: 0.0 for s in SURFACES}
 LAYERS = 4
 
 
-def run(stream: bool = True, budget=None, option=None, steps: int = 8, accumulate: int = 2):
+def run(stream: bool = True, budget=None, option=None, steps: int = 8, accumulate: int = 2, prefetch="auto"):
     torch._dynamo.reset()
     model = poros_fx.prepare(tiny_lora_model("qwen2", layers=LAYERS, dropout=0.1), device="cpu",
-                             memory_budget=budget)
+                             memory_budget=budget, prefetch=prefetch)
     options = {"stream": stream}
     if option is not None:
         options["memory_budget"] = option
@@ -268,6 +268,23 @@ def test_turnaround_blocks_are_not_evicted_and_reloaded():
     assert off["bytes_loaded"] - on["bytes_loaded"] == 8 * (sizes[-1] + sizes[-2]) + 7 * sizes[1]
     assert on["peak_resident_base_bytes"] == off["peak_resident_base_bytes"]
     assert on["resident_base_bytes"] == sizes[1] and off["resident_base_bytes"] == 0
+
+
+def test_a_kept_block_gives_its_turnaround_place_to_the_next_streamed_block(reference):
+    """Two blocks ahead, a backward leaves the next forward's first two layer blocks. The plan keeping 3
+    blocks keeps layers.1 (it stays anyway), so the backward leaves layers.0 and layers.2 instead: exact,
+    and the peak still under the budget."""
+    resident, _ = reference
+    _, streamed = run(prefetch=2)
+    sizes, names = streamed["block_bytes"], streamed["block_names"]
+    wanted = ["layers.1", "layers.3", names[-1]]
+    kept_bytes = sum(n for name, n in zip(names, sizes) if name in wanted)
+    budget = streamed["peak_resident_base_bytes"] + kept_bytes + min(n for n in sizes if n) - 1
+    trace, s = run(budget=budget, prefetch=2)
+    assert compare(trace, resident) == EQUAL, format_diffs("kept layers.1, two ahead", compare(trace, resident))
+    assert s["residency_plan"]["resident_blocks"] == wanted
+    assert s["resident_base_bytes"] == kept_bytes + sizes[names.index("layers.0")] + sizes[names.index("layers.2")]
+    assert s["peak_resident_base_bytes"] <= s["residency_plan"]["predicted_peak"] <= budget
 
 
 def test_a_measuring_step_leaves_no_copies_for_the_next_forward(reference):

@@ -13,6 +13,8 @@ import types
 import torch
 
 import poros_fx
+from poros_fx.compiler.backend import _reused_by_forward
+from poros_fx.options import PorosOptions
 from poros_fx.prepare import get_store
 from poros_fx.runtime import budget
 from poros_fx.runtime.arena import nbytes
@@ -108,3 +110,16 @@ def test_the_budget_counts_the_slots_and_the_copies_in_them_once():
     assert budget._load_window(store) == 256 + nbytes(other)
     store.region_graphs = None
     assert budget._load_window(store) == 128 + nbytes(other)
+
+
+def test_with_cuda_graphs_a_backward_leaves_the_forwards_whole_first_window():
+    """Two blocks ahead, the next forward starts holding three layer blocks (the one computing and two
+    loading): without graphs a backward leaves the first two (a third would sit in memory through the
+    optimizer step); with graphs the load slots hold all three between steps anyway, so it leaves three."""
+    blocks = {"blocks": list(range(8)), "stream": True, "prefetch": 2}
+    plain = types.SimpleNamespace(**blocks, options=PorosOptions())
+    graphed = types.SimpleNamespace(**blocks, options=PorosOptions(cuda_graphs=True))
+    assert _reused_by_forward(plain) == {1, 2}
+    assert _reused_by_forward(graphed) == {1, 2, 3}
+    assert _reused_by_forward(types.SimpleNamespace(**blocks, options=PorosOptions(cuda_graphs=True,
+                                                                                    turnaround=False))) == set()

@@ -160,12 +160,16 @@ def _reused_by_backward(schedule: Schedule, phase: str, store_head_chunks: int) 
 def _reused_by_forward(schedule: Schedule) -> frozenset[int]:
     """The blocks a training backward leaves on the device for the next step's forward, which starts with
     them: the forward's first ``prefetch`` layer blocks (the backward ends with them; the forward's window
-    at its start holds the same ones, so the peak bound (1 + prefetch) x largest block still holds). A
-    block the memory budget keeps is not left (it stays anyway); nothing is left by a step that measures
-    for the budget. ``options={"turnaround": False}``: none."""
+    at its start holds the same ones, so the peak bound (1 + prefetch) x largest block still holds). With
+    CUDA graphs the first ``1 + prefetch``: the load slots (``runtime/load_slots.py``) hold the forward's
+    whole first window between steps anyway, so one more block costs no memory and saves its copy. The
+    runtime leaves the first that many blocks the memory budget does not keep (a kept block stays anyway;
+    ``GraphRuntime._left_for_forward``); nothing is left by a step that measures for the budget.
+    ``options={"turnaround": False}``: none."""
     if not schedule.stream or not schedule.options.turnaround or len(schedule.blocks) < 3:
         return frozenset()
-    return frozenset(range(1, min(1 + schedule.prefetch, len(schedule.blocks) - 1)))
+    window = schedule.prefetch + (1 if schedule.options.cuda_graphs else 0)
+    return frozenset(range(1, min(1 + window, len(schedule.blocks) - 1)))
 
 
 def _check_cuda_graphs(schedule: Schedule) -> None:

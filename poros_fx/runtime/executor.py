@@ -122,6 +122,7 @@ class GraphRuntime:
         self.reused_by_backward = reused_by_backward
         # backward blocks whose copies stay for the next forward, which starts with them (the other way round)
         self.reused_by_forward = reused_by_forward
+        self._left: tuple[set[int], frozenset[int]] | None = None  # (the plan's kept hosts, _left_for_forward())
         self.overlap = stream and store is not None and store.device.type == "cuda"
         # time the first run's copies and blocks with CUDA events (prefetch "auto", runtime/depth.py)
         self.measure = measure and self.overlap
@@ -166,7 +167,7 @@ class GraphRuntime:
             for h, t in zip(hosts, out):
                 store.resident_cache[cache_key(h)] = t
                 store.kept_ids[id(t)] = False
-        elif block in self.reused_by_backward or block in self.reused_by_forward:
+        elif block in self.reused_by_backward or (self.phase == "backward" and block in self._left_for_forward()):
             self._leave_turnaround(key, block, out)
         return out
 
@@ -177,10 +178,25 @@ class GraphRuntime:
             self._release(store.copies_for_backward.pop(key, ()))  # an earlier forward's, never taken
             store.copies_for_backward[key] = out
             store.stashed_ids.update(id(t) for t in out)
-        elif self.phase == "backward" and block in self.reused_by_forward and not store.budget_measuring:
+        elif self.phase == "backward" and block in self._left_for_forward() and not store.budget_measuring:
             store.drop_copies_for_forward(key)  # an earlier backward's, never taken
             store.copies_for_forward[key] = out
             store.forward_stashed_ids.update(id(t) for t in out)
+
+    def _left_for_forward(self) -> frozenset[int]:
+        """The blocks this backward leaves for the next forward: the first ``len(reused_by_forward)`` layer
+        blocks the memory budget does not keep. A kept block stays anyway, so the next streamed one takes its
+        place: the forward's first window then holds as many blocks as without a plan, and starts with one
+        copy fewer. Made again when the plan changes (``kept_hosts`` is then a new set)."""
+        store = self.store
+        if self._left is not None and self._left[0] is store.kept_hosts:
+            return self._left[1]
+        count = len(self.reused_by_forward)
+        kept = set(store.plan.resident_blocks) if store.kept_hosts and store.plan is not None else set()
+        streamed = [b for b in range(1, len(store.block_names) - 1) if store.block_names[b] not in kept]
+        left = frozenset(streamed[:count])
+        self._left = (store.kept_hosts, left)
+        return left
 
     def _slots_for(self, block: int, kept: bool) -> LoadSlots | None:
         """The model's load slots (``runtime/load_slots.py``) when a load of ``block`` lands in one: a streamed
