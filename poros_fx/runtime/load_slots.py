@@ -24,7 +24,9 @@ queued on the compute stream before that point: the copy never overwrites bytes 
 
 **Memory.** The slots stay allocated between steps (``torch.cuda.memory_allocated`` counts them): about as
 many blocks as a step holds at once (the block computing, the ones loading ahead, the turn-around copies),
-which the allocator held during the step before and gave back to its cache after it. The graphs' pool no
+which the allocator held during the step before and gave back to its cache after it. Between steps they hold
+the next forward's first blocks, which a backward leaves there (``compiler/backend.py``, ``_reused_by_forward``).
+The graphs' pool no
 longer holds a copy of a block (its input buffer). ``runtime/budget.py`` counts the slots in the step's
 transient, not in what stays allocated between steps.
 """
