@@ -16,6 +16,10 @@ from test_distributed import EQUAL, _ok, run_ranks
 from train_helper import run_cli
 from poros_fx.tools.parity import compare, format_diffs
 
+# a rank's prepared models, kept until it exits: its later models of the same structure take the region from
+# a live one instead of tracing it again (~6 s a model), as stream=False does in every in-process parity test
+LIVE: list[torch.nn.Module] = []
+
 
 def _step_run(rank: int, stream: bool) -> Any:
     """A 2-micro-batch @poros_fx.step over a DDP module: its parity Trace."""
@@ -27,6 +31,7 @@ def _step_run(rank: int, stream: bool) -> Any:
     torch._dynamo.reset()
     model = tiny_lora_model("qwen2", layers=2, dropout=0.1, seed=0)
     poros_fx.prepare(model, device="cpu")
+    LIVE.append(model)
     ddp = distributed.data_parallel(model)
 
     @poros_fx.step(accumulate=2, stream=stream)
@@ -66,6 +71,7 @@ def _trainer_run(rank: int, stream: bool, out: str) -> list[torch.Tensor]:
                                           report_to=[], save_strategy="no", use_cpu=True, seed=0, logging_steps=1,
                                           gradient_accumulation_steps=2, ddp_find_unused_parameters=False)
     model = tiny_lora_model("qwen2", layers=2, dropout=0.1, seed=0)
+    LIVE.append(model)  # PorosTrainer prepares it
     trainer = PorosTrainer(model=model, args=args, train_dataset=Rows(), poros_options={"stream": stream})
     trainer.train()
     return [p.detach().clone() for p in model.parameters() if p.requires_grad]
