@@ -26,9 +26,8 @@ queued on the compute stream before that point: the copy never overwrites bytes 
 many blocks as a step holds at once (the block computing, the ones loading ahead, the turn-around copies),
 which the allocator held during the step before and gave back to its cache after it. Between steps they hold
 the next forward's first blocks, which a backward leaves there (``compiler/backend.py``, ``_reused_by_forward``).
-The graphs' pool no
-longer holds a copy of a block (its input buffer). ``runtime/budget.py`` counts the slots in the step's
-transient, not in what stays allocated between steps.
+The graphs' pool no longer holds a copy of a block (its input buffer). ``runtime/budget.py`` counts the slots
+in the step's transient, not in what stays allocated between steps.
 """
 
 from __future__ import annotations
