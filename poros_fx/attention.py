@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 from torch._higher_order_ops.cond import cond_op
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 NAME = "poros_sdpa"  # the attention implementation a prepared model's config names
 WRAPS = "sdpa"  # the implementation it stands in for
@@ -160,4 +161,9 @@ class _GradSeqMajor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.transpose(1, 2).contiguous().transpose(1, 2)
+        seq_major = grad.transpose(1, 2)
+        if any(guard_or_false(size == 1) for size in seq_major.shape):
+            # a dimension of one (one KV head, a batch of one row) has no stride of its own, and contiguous()
+            # keeps whatever the kernel gave it: a fresh tensor gives both branches the same strides
+            return seq_major.clone(memory_format=torch.contiguous_format).transpose(1, 2)
+        return seq_major.contiguous().transpose(1, 2)

@@ -67,6 +67,28 @@ def test_other_families(family):
     assert diffs == EQUAL, format_diffs(f"streamed vs eager, {family}", diffs)
 
 
+@pytest.mark.parametrize("family,config", [
+    ("qwen2", dict(hidden=42, heads=3, kv_heads=1)),
+    # Gemma 4's full layers with keys equal to values and one KV head (the 31B's full-layer layout, small)
+    ("gemma4_text", dict(hidden=64, heads=4, kv_heads=2, attention_k_eq_v=True, num_global_key_value_heads=1)),
+], ids=["qwen2-one-kv-head", "gemma4-k-eq-v-one-global-kv-head"])
+def test_one_key_value_head(family, config):
+    """A dimension of one (one KV head) has no stride of its own: both attention branches must still hand
+    their key/value gradients over in one layout, or the region cannot be traced (torch.cond's check)."""
+    data = attention_batches(2, seq=13, mode="ones", vocab=97)
+    runs = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        model = tiny_lora_model(family, layers=2, dropout=0.1, seed=0, vocab=97, **config)
+        step_model = model
+        if compiled:
+            poros_fx.prepare(model, device="cpu")
+            step_model = torch.compile(model, backend="poros")
+        runs.append(train(model, step_model, data))
+    diffs = compare(*runs)
+    assert diffs == EQUAL, format_diffs(f"streamed vs eager, {family} with one KV head", diffs)
+
+
 def test_plain_sdpa_under_compile_is_not_equal():
     """The test above can fail: with transformers' own ``sdpa`` under torch.compile (the mask built, a
     masked kernel) the same recipe parts from the eager loop."""
