@@ -135,28 +135,43 @@ def shape_config(name: str) -> transformers.PretrainedConfig:
     return config
 
 
-def lora_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = torch.float32, nf4: bool = False,
-               dropout: float = 0.1, rank: int = 8, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
-    """A random-init causal LM from ``config`` with LoRA on every decoder-layer linear (``nf4``: QLoRA base)."""
-    import peft
-
+def base_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = torch.float32, nf4: bool = False,
+               nested: bool = True, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
+    """A random-init causal LM from ``config`` (``nf4``: its decoder linears quantized, ``nested``: with the
+    quantization state quantized too, as ``bnb_4bit_use_double_quant``)."""
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     if nf4:
-        quantize_nf4(model, compute_dtype=dtype, device=device)
+        quantize_nf4(model, compute_dtype=dtype, nested=nested, device=device)
+    return model
+
+
+def add_lora(model: nn.Module, *, rank: int = 8, alpha: float | None = None, dropout: float = 0.1,
+             targets: list[str] | None = None, dora: bool = False, seed: int = 0) -> nn.Module:
+    """``model`` with a LoRA adapter (``targets``: default every decoder-layer linear) whose B is non-zero,
+    so every adapter weight has a gradient from the first step."""
+    import peft
+
     torch.manual_seed(seed + 1)
-    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=lora_targets(config.model_type),
-                           init_lora_weights="gaussian")
+    lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank if alpha is None else alpha, lora_dropout=dropout,
+                           target_modules=targets or lora_targets(model.config.model_type),
+                           init_lora_weights="gaussian", use_dora=dora)
     with quiet_peft():  # peft's read of a property transformers deprecated (see quiet_peft)
         model = peft.get_peft_model(model, lora)
-    # a non-zero B so every adapter weight has a gradient from the first step
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed + 2)
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * 0.02)
     return model
+
+
+def lora_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = torch.float32, nf4: bool = False,
+               dropout: float = 0.1, rank: int = 8, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
+    """A random-init causal LM from ``config`` with LoRA on every decoder-layer linear (``nf4``: QLoRA base)."""
+    return add_lora(base_model(config, dtype=dtype, nf4=nf4, seed=seed, device=device), rank=rank, dropout=dropout,
+                    seed=seed)
 
 
 def tiny_lora_model(family: str = "qwen2", *, dtype: torch.dtype = torch.float32, nf4: bool = False,
