@@ -28,7 +28,7 @@ from torch import nn
 from . import attention, loss
 from .adapter_hooks import follow
 from .compiler import ops
-from .compiler.regions import RegionTable, layer_forward, mode_modules
+from .compiler.regions import RegionTable, check_no_dora_on_nf4, layer_forward, mode_modules
 from .compiler.regions import state as regions_state
 from .errors import NoBlocksError, PorosConfigError
 from .families import Family, layer_list, resolve
@@ -144,6 +144,8 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
                             f"block by block and needs that list (family {fam.model_type!r} says it is there)"
                             + (f"; this model's layer list is {found!r}: user_asserted({fam.model_type!r}, "
                                f"layers={found!r}, ...)" if found and found != fam.layers else ""))
+    for layer in layers:
+        check_no_dora_on_nf4(layer)
     _place_on_device(model, device)  # after every check above: a refused model is left where it was
 
     names = block_names(len(layers), block_size)
@@ -271,6 +273,7 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
 def _list_tensors(layer: nn.Module, hosts: set[int]) -> None:
     """The layer's tensors as plain lists, in ``regions.state`` order: Dynamo reads them far faster than
     ``named_parameters()`` (compiler/regions.py). Host tensors (``hosts``: their ids) are loaded."""
+    check_no_dora_on_nf4(layer)  # an adapter attached after prepare comes through here too
     tensors = [t for _, t in regions_state(layer)]
     layer._poros_modules, layer._poros_adapters = mode_modules(layer)
     layer._poros_own = [t for t in tensors if id(t) not in hosts]

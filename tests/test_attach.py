@@ -15,6 +15,7 @@ import transformers
 
 import poros_fx
 from poros_fx.errors import PorosConfigError
+from poros_fx.prepare import get_store
 from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
 from poros_fx.tools.tiny import demo_batches, lora_targets, tiny_config
 
@@ -135,3 +136,31 @@ def test_unprepare_removes_the_hooks():
     assert not hasattr(layer, "_poros_own")
     merged = model.merge_and_unload()  # allowed: the base is the user's again
     assert isinstance(merged, transformers.PreTrainedModel)
+
+
+def test_dora_on_an_nf4_base_is_refused_at_prepare():
+    """PEFT's DoRA reads the base weight as a bitsandbytes ``Params4bit``; streamed, it would be handed the
+    packed bytes (a shape error mid-trace): ``prepare`` refuses, before anything is moved."""
+    from poros_fx.tools.tiny import add_lora, base_model
+
+    model = add_lora(base_model(tiny_config("qwen2", layers=1), dtype=torch.bfloat16, nf4=True), dora=True,
+                     targets=["q_proj"])
+    with pytest.raises(PorosConfigError, match="DoRA"):
+        poros_fx.prepare(model, device="cpu")
+    assert get_store(model) is None
+
+
+def test_dora_on_an_fp32_base_equals_the_eager_loop():
+    """DoRA on a full-precision base streams like LoRA: == the plain eager PEFT loop (eager codegen)."""
+    from poros_fx.tools.tiny import add_lora, base_model
+
+    runs = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        model = add_lora(base_model(tiny_config("llama", layers=2)), dora=True, dropout=0.1)
+        step_model = model
+        if compiled:
+            poros_fx.prepare(model, device="cpu")
+            step_model = torch.compile(model, backend="poros")
+        runs.append(train(model, step_model, demo_batches(4, seq=12), accumulate=2))
+    assert compare(*runs) == EQUAL, format_diffs("DoRA streamed vs eager", compare(*runs))

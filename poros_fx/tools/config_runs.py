@@ -187,9 +187,10 @@ def poros_options(config: TrainingConfig, mode: str, base_bytes: int) -> dict[st
 
 
 def base_bytes(config: TrainingConfig) -> int:
-    model = build(config, attach=False)
-    return sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        b.numel() * b.element_size() for b in model.buffers())
+    """The base's bytes unquantized (an NF4 block's dequantized weights are on the device while it runs)."""
+    model = build(dataclasses.replace(config, base="bf16" if config.base.startswith("nf4") else config.base),
+                  attach=False)
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 # -- surfaces: each trains ``config`` in ``mode`` and returns its trace ------------------------------------
@@ -250,7 +251,7 @@ def _forward_loss(config: TrainingConfig, step_model: Callable, batch: dict, ite
         return step_model(**batch).loss / config.accumulate
 
 
-def train_loop(config: TrainingConfig, mode: str, device: torch.device, trace: Trace) -> None:
+def train_loop(config: TrainingConfig, mode: str, device: torch.device, trace: Trace) -> nn.Module:
     """``torch.compile(model, backend="poros")`` in the user's own loop (``eager``: the model as it is)."""
     data = batches(config, device)
     options = poros_options(config, mode, base_bytes(config)) if mode != "eager" else {}
@@ -280,7 +281,7 @@ def train_loop(config: TrainingConfig, mode: str, device: torch.device, trace: T
     stop = config.resume_at if config.resume_at is not None and mode == "streamed" else config.steps
     _loop_steps(config, model, run_step, step_model, data, device, trace, opt, 0, stop)
     if stop == config.steps:
-        return
+        return model
     # resume: a fresh model and optimizer take the adapter, the optimizer's state and the generator's
     saved = ({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
              copy.deepcopy(opt.state_dict()), torch.get_rng_state(),
@@ -298,9 +299,10 @@ def train_loop(config: TrainingConfig, mode: str, device: torch.device, trace: T
     if saved[3] is not None:
         torch.cuda.set_rng_state(saved[3], device)
     _loop_steps(config, model, run_step, step_model, data, device, trace, opt, stop, config.steps)
+    return model
 
 
-def train_step_decorator(config: TrainingConfig, mode: str, device: torch.device, trace: Trace) -> None:
+def train_step_decorator(config: TrainingConfig, mode: str, device: torch.device, trace: Trace) -> nn.Module:
     """``@poros_fx.step(accumulate=N, **options)`` on the user's step function (``eager``: the function itself)."""
     data = batches(config, device)
 
@@ -326,6 +328,7 @@ def train_step_decorator(config: TrainingConfig, mode: str, device: torch.device
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
     torch.manual_seed(config.seed)
     _loop_steps(config, model, run_step, model, data, device, trace, opt, 0, config.steps)
+    return model
 
 
 class _Recorder(transformers.TrainerCallback):
@@ -379,7 +382,7 @@ def _training_args(config: TrainingConfig, device: torch.device, out: str, cls: 
                dataloader_num_workers=0, **extra)
 
 
-def train_trainer(config: TrainingConfig, mode: str, device: torch.device, trace: Trace) -> None:
+def train_trainer(config: TrainingConfig, mode: str, device: torch.device, trace: Trace) -> nn.Module:
     """``PorosTrainer`` (``eager``: a plain ``transformers.Trainer``) on the drawn micro-batches."""
     from ..hf import PorosTrainer
 
@@ -393,9 +396,10 @@ def train_trainer(config: TrainingConfig, mode: str, device: torch.device, trace
             model=model, args=_training_args(config, device, out, transformers.TrainingArguments),
             train_dataset=_Rows(data), data_collator=lambda items: items[0], callbacks=[_Recorder(trace)], **kwargs)
         trainer.train()
+    return model
 
 
-def train_sft(config: TrainingConfig, mode: str, device: torch.device, trace: Trace) -> None:
+def train_sft(config: TrainingConfig, mode: str, device: torch.device, trace: Trace) -> nn.Module:
     """``PorosSFTTrainer`` (``eager``: a plain ``trl.SFTTrainer``) on chat records, padded batches."""
     import datasets
     import trl
@@ -415,29 +419,31 @@ def train_sft(config: TrainingConfig, mode: str, device: torch.device, trace: Tr
         trainer = _recording(cls, trace)(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
                                          processing_class=tiny_tokenizer(), callbacks=[_Recorder(trace)], **kwargs)
         trainer.train()
+    return model
 
 
-SURFACE_RUNS: dict[str, Callable[[TrainingConfig, str, torch.device, Trace], None]] = {
+SURFACE_RUNS: dict[str, Callable[[TrainingConfig, str, torch.device, Trace], nn.Module]] = {
     "compile": train_loop, "step": train_step_decorator, "trainer": train_trainer, "sft": train_sft,
 }
 
 
 # -- one configuration ---------------------------------------------------------------------------------
 
-def train_once(config: TrainingConfig, mode: str, device: torch.device) -> Trace:
-    """One training run of ``config``; a failure raises ``RunFailed`` with the steps finished before it."""
+def train_once(config: TrainingConfig, mode: str, device: torch.device) -> tuple[Trace, nn.Module]:
+    """One training run of ``config`` and the model it trained; a failure raises ``RunFailed`` with the
+    steps finished before it."""
     torch._dynamo.reset()
     trace = Trace()
     try:
         with numeric_modes(config, device):
-            SURFACE_RUNS[config.surface](config, mode, device, trace)
+            model = SURFACE_RUNS[config.surface](config, mode, device, trace)
     except InvalidConfig:
         raise
     except Exception as e:  # noqa: BLE001 - every failure is an outcome here
         raise RunFailed(mode, len(trace.weights), e) from e
     finally:
         torch._dynamo.reset()
-    return trace
+    return trace, model
 
 
 def eager_step(config: TrainingConfig, device: torch.device) -> None:
@@ -470,7 +476,9 @@ def check(config: TrainingConfig, device: str | torch.device = "cpu") -> Outcome
         return Outcome(status, detail, compared, time.perf_counter() - start)
 
     try:
-        streamed = train_once(config, "streamed", device)
+        # the streamed model stays alive: stream=False takes its regions instead of tracing them again (the
+        # eager loop checks what runs inside them)
+        streamed, streamed_model = train_once(config, "streamed", device)
     except RunFailed as failed:
         if isinstance(failed.error, PorosError) and failed.steps == 0:
             return outcome("refused", str(failed.error).splitlines()[0][:400])
@@ -479,12 +487,13 @@ def check(config: TrainingConfig, device: str | torch.device = "cpu") -> Outcome
         return outcome("crashed", _crash_text(failed))
     for reference in compared:
         try:
-            other = train_once(config, reference, device)
+            other, _ = train_once(config, reference, device)
         except RunFailed as failed:
             return outcome("crashed", f"the streamed run ran, {reference} did not: {_crash_text(failed)}")
         diffs = compare(streamed, other)
         if any(v != 0.0 for v in diffs.values()):
             return outcome("differs", f"vs {reference}: " + " ".join(f"{k}={v:.2e}" for k, v in diffs.items()))
+    del streamed_model
     if not streamed.weights:
         return outcome("crashed", "no optimizer step was recorded")
     return outcome("equal", f"{len(streamed.weights)} steps, {len(streamed.losses)} losses")
@@ -496,6 +505,8 @@ def _crash_text(failed: RunFailed) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     where = next((f"{f.filename.rsplit('/', 2)[-2]}/{f.filename.rsplit('/', 1)[-1]}:{f.lineno}"
                   for f in reversed(frames) if "poros_fx" in f.filename or "passes" in f.filename), "?")
-    message = " ".join(str(error).split())[:500]
+    message = " ".join(str(error).split())
+    if len(message) > 700:  # Dynamo's messages put the cause last
+        message = f"{message[:250]} ... {message[-450:]}"
     return (f"{failed.mode}: {type(error).__name__}: {message} (after {failed.steps} optimizer steps; raised at "
             f"{where})")

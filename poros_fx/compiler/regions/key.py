@@ -125,6 +125,18 @@ def check_not_merged(layer: nn.Module) -> None:
         raise PorosConfigError(MERGE_ERROR)
 
 
+DORA_NF4_ERROR = ("DoRA (LoraConfig(use_dora=True)) on an NF4 base is not supported: PEFT's DoRA reads the base "
+                  "weight as a bitsandbytes Params4bit to dequantize it, and a streamed base hands it a loaded copy of "
+                  "the packed bytes. Use plain LoRA (use_dora=False), or DoRA on a bf16 / fp32 base")
+
+
+def check_no_dora_on_nf4(layer: nn.Module) -> None:
+    """PEFT's DoRA over a bitsandbytes 4-bit layer would scale by the norm of the packed weight: refuse it."""
+    for module in layer.modules():
+        if getattr(module, "lora_magnitude_vector", None) and type(getattr(module, "base_layer", None)).__name__ == "Linear4bit":
+            raise PorosConfigError(DORA_NF4_ERROR)
+
+
 def check_state(layer: nn.Module, index: int) -> None:
     """The tensors ``prepare`` listed for the layer are still its tensors (an adapter removed after
     ``prepare`` changes them, which no hook sees; a region traced from the old list would read the
