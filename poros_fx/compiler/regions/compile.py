@@ -9,6 +9,10 @@ other graph (the backward, for a saved tensor) and the outer graph were made for
 
     output.meta["user_visible_output_idxs"] = [0, 1, ..., 52]     # all of them, not just the layer's output
 
+Inductor keeps the strides of the graph it compiles, the region's graph after Inductor's
+decompositions, and a decomposition may lay an output out otherwise than the aten op it replaces
+(``TracedLayout``): such an output is copied back into its traced strides inside the graph.
+
 A region's graphs go through Inductor's FX graph cache (on disk, ``TORCHINDUCTOR_CACHE_DIR``), so a
 second process compiling the same layer structure loads the compiled code instead of lowering and
 compiling it again. Inductor bypasses the cache for a graph holding a ``cond`` (the attention's SDPA
@@ -23,13 +27,15 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
+import sympy
 import torch
 import torch.fx as fx
 
 from ...errors import PorosConfigError
 from ...options import CODEGENS
+from .shapes import Expressions, expression
 from .trace import Region, isolated
 
 logger = logging.getLogger("poros_fx")
@@ -89,6 +95,55 @@ def keep_output_strides(gm: fx.GraphModule) -> None:
     output.meta["user_visible_output_idxs"] = [i for i, o in enumerate(outs) if isinstance(o, fx.Node)]
 
 
+class TracedLayout(fx.Interpreter):
+    """``gm`` run node by node (under ``make_fx`` with Inductor's decompositions), each output of
+    ``gm`` given the strides ``gm``'s trace gave it as soon as it is computed. A decomposition may lay
+    an output out otherwise than the op it replaces: Inductor's ``cat`` of one non-empty tensor is a
+    ``clone`` of it, with its strides, and Phi-3's rotary ``cat([q_rot, q_pass])`` (``q_pass`` empty)
+    came out [b, s, h, d]-major where the trace, and so the backward that takes it saved, had it
+    [b, h, s, d]. Such an output goes through Inductor's ``inductor_force_stride_order`` to its traced
+    strides, and every later user of it takes that (the attention's ``cond`` too, whose branches
+    Inductor compiles for its operands' strides and does not lay out to them). The strides are
+    computed from the inputs' sizes (``inputs``: ``gm``'s placeholder values, sizes of ``env``), so
+    ``make_fx`` records them for every size."""
+
+    def __init__(self, gm: fx.GraphModule, inputs: Sequence[Any], env: Any) -> None:
+        from torch._inductor import inductor_prims
+
+        super().__init__(gm)
+        self.shape_env = env
+        self.force = inductor_prims.force_stride_order
+        self.where: dict[Any, tuple[int, int | None]] = {}  # a symbol: the input (and dimension) whose size it is
+        for i, value in enumerate(inputs):
+            for d, size in enumerate(value.shape) if isinstance(value, torch.Tensor) else [(None, value)]:
+                if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                    self.where.setdefault(size.node.expr, (i, d))
+        self.wanted: dict[fx.Node, tuple[tuple[sympy.Expr, ...], Expressions]] = {}
+        for o in next(iter(gm.graph.find_nodes(op="output"))).args[0]:
+            if isinstance(o, fx.Node) and isinstance(o.meta.get("val"), torch.Tensor) and o.meta["val"].dim():
+                strides = tuple(expression(env, st) for st in o.meta["val"].stride())
+                # strides in a symbol that is no input's size cannot be computed here: left to Inductor's assert
+                if set().union(*(e.free_symbols for e in strides)) <= set(self.where):
+                    self.wanted[o] = (strides, Expressions(tuple(self.where), strides))
+        self.values: list[Any] = []
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        self.values = [args[i] if d is None else args[i].shape[d] for i, d in self.where.values()]
+        return super().run(*args, **kwargs)
+
+    def run_node(self, n: fx.Node) -> Any:
+        out = super().run_node(n)
+        if n in self.wanted and not _same_strides(self.shape_env, out, self.wanted[n][0]):
+            out = self.force(out, list(self.wanted[n][1](self.values)))
+        return out
+
+
+def _same_strides(env: Any, t: torch.Tensor, strides: Sequence[Any]) -> bool:
+    """Whether ``t``'s strides are ``strides`` (expressions) in every dimension of a size other than 1."""
+    return all(expression(env, size) == 1 or sympy.expand(expression(env, st) - want) == 0
+               for size, st, want in zip(t.shape, t.stride(), strides))
+
+
 def _inductor(region: Region, gm: fx.GraphModule, draws_of: Callable[[fx.GraphModule], list[Any]], *, is_backward: bool,
               inference: bool) -> tuple[Callable, list[Any]]:
     """``gm`` through Inductor the way ``torch.compile`` takes a graph: decomposed with Inductor's
@@ -107,7 +162,7 @@ def _inductor(region: Region, gm: fx.GraphModule, draws_of: Callable[[fx.GraphMo
     inputs = [p.meta["val"] for p in gm.graph.find_nodes(op="placeholder")]
     with isolated(), tracing(TracingContext(mode)), V.set_fake_mode(mode), cacheable_cond():
         with mode:
-            decomposed = make_fx(gm, decomposition_table=select_decomp_table(),
+            decomposed = make_fx(TracedLayout(gm, inputs, mode.shape_env).run, decomposition_table=select_decomp_table(),
                                  tracing_mode="symbolic" if region.signature.dynamic else "real")(*inputs)
         decomposed = joint_graph_passes(decomposed)
         draws = draws_of(decomposed)  # before compile_fx_inner, which changes the graph
