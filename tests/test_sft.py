@@ -71,6 +71,39 @@ def test_messages_with_assistant_only_loss_equals_sft_trainer(tmp_path):
     assert plain.evaluate()["eval_loss"] == ours.evaluate()["eval_loss"]
 
 
+def optimizer_state(trainer) -> list[torch.Tensor]:
+    return [t.detach().clone() for state in trainer.optimizer.state_dict()["state"].values() for t in state.values()]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "sft_config_default"])
+def test_padded_batches_equal_sft_trainer_per_step(tmp_path, precision):
+    """Batches of two rows of different lengths (one padded), assistant-only loss, one micro-batch per step:
+    the per-step log (loss, grad norm, metrics) equal, and the adapter and the AdamW state torch.equal. In
+    fp32, and with SFTConfig's own default on the CPU (bf16=True: accelerate's bf16 autocast around the fp32
+    model), under which each decoder layer's region must be traced with the caller's autocast."""
+    ds = datasets.Dataset.from_list(chat_records(8))
+    kw = {"assistant_only_loss": True, "max_steps": 2}
+    if precision == "fp32":
+        kw["bf16"] = False
+    m_plain, m_ours = model(), model()
+    runs = []
+    for cls, m, name, extra in ((trl.SFTTrainer, m_plain, "plain", {}),
+                                (PorosSFTTrainer, m_ours, "ours", {"poros_options": {"codegen": "eager"}})):
+        args = trl.SFTConfig(output_dir=str(tmp_path / name), logging_steps=1, report_to=[], use_cpu=True,
+                             gradient_checkpointing=False, save_strategy="no", seed=0, per_device_train_batch_size=2,
+                             max_length=64, **kw)
+        assert args.bf16 == (precision != "fp32")
+        trainer = cls(model=m, args=args, train_dataset=ds, processing_class=tiny_tokenizer(), **extra)
+        trainer.train()
+        runs.append(trainer)
+    plain, ours = runs
+    batch = next(iter(ours.get_train_dataloader()))
+    assert (batch["attention_mask"] == 0).any() and (batch["labels"] == -100).any()  # padded, prompt not trained
+    assert_same_run(plain, ours, m_plain, m_ours)
+    a, b = optimizer_state(plain), optimizer_state(ours)
+    assert len(a) == len(b) > 0 and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_packing_equals_sft_trainer(tmp_path):
     ds = datasets.Dataset.from_list(chat_records(12))
     m_plain, m_ours = model(), model()

@@ -9,10 +9,19 @@ traces (``call_region``), so Dynamo guards each one and a change recompiles the 
 (or traces) the region of the layer as it is now::
 
     call:  "#0:T\x1f...\x1fuse_cache=False\x1f@mode=1111111...|0default(('default', 2.0),)..."
+
+The caller's ``torch.autocast`` belongs to the mode too. A region's trace cannot see it by itself: it
+runs inside the op's fake implementation, below the autocast dispatch key, so without it a layer is
+traced in its parameters' dtype where eager casts each matmul to bf16 (``SFTConfig``'s default
+``bf16=True`` on an fp32 model). ``autocast_entry`` reads it into the call, and ``autocast_of`` traces
+the region under it::
+
+    call:  "...\x1fuse_cache=False\x1f@autocast=cpu:bfloat16\x1f@mode=..."
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any
 
@@ -20,6 +29,7 @@ import torch
 from torch import nn
 
 from ...errors import PorosConfigError
+from .call import SEP
 
 # -- what makes two layers one region --------------------------------------------------------------------
 
@@ -177,3 +187,26 @@ def mode_entry(layer: nn.Module) -> str:
     adapters = "".join([f"|{'0' if m._disable_adapters else '1'}{m._active_adapter}{tuple(m.scaling.items())}"
                         for m in layer._poros_adapters])
     return f"{MODE}{flags}{adapters}"
+
+
+AUTOCAST = "@autocast="  # the call string's entry of a layer called under torch.autocast
+
+
+def autocast_entry(device: torch.device) -> str | None:
+    """``torch.autocast``'s state on ``device``'s type as a call-string entry (``None``: off), read in code
+    Dynamo traces (which guards the autocast state): a call with and one without autocast get regions of
+    their own."""
+    kind = device.type
+    if not torch.is_autocast_enabled(kind):
+        return None
+    return f"{AUTOCAST}{kind}:" + str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
+
+
+def autocast_of(call: str) -> contextlib.AbstractContextManager:
+    """The autocast ``call`` names (``autocast_entry``), to trace its region under; a null context when none.
+    Without its cast cache, as torch's own tracing (``make_fx``) runs autocast: the casts are the same."""
+    for entry in call.split(SEP):
+        if entry.startswith(AUTOCAST):
+            kind, dtype = entry[len(AUTOCAST):].split(":")
+            return torch.autocast(kind, dtype=getattr(torch, dtype), cache_enabled=False)
+    return contextlib.nullcontext()

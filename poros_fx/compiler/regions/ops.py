@@ -34,7 +34,7 @@ from torch import nn
 from ..ops import LOAD
 from .call import SEP, flatten_call, state_mapping
 from .compile import compile_region
-from .key import check_not_merged, mode_entry
+from .key import autocast_entry, check_not_merged, mode_entry
 from .table import quiet_compile_events, table_of
 from .trace import Region
 from ...runtime.draws import graph_draws
@@ -178,9 +178,10 @@ def call_region(layer: nn.Module, activations: list[torch.Tensor], call: str, ca
     ``prepare`` made (``_poros_own``, ``_poros_hosts``, ``_poros_block``; ``Packing`` says how they map
     to the layer's tensors): Dynamo walking ``named_parameters()`` generators cost ~0.5 s per layer,
     most of a deep model's compile, and every tensor it reads becomes a graph input of its own. The
-    layer's mode joins the call string, so Dynamo guards it (``key.mode_entry``). What the layer writes
-    into ``carried`` (the state it passes to later layers, ``call.py``) are the region's further outputs,
-    put back into it here (``_poros_writes``: the table set it when it found the region)."""
+    layer's mode and the caller's autocast join the call string, so Dynamo guards them
+    (``key.mode_entry``, ``key.autocast_entry``). What the layer writes into ``carried`` (the state it
+    passes to later layers, ``call.py``) are the region's further outputs, put back into it here
+    (``_poros_writes``: the table set it when it found the region)."""
     device, block = layer._poros_device, layer._poros_block
     tensors = [*activations, *layer._poros_own]
     if block is not None:  # all host tensors in one load (Packing)
@@ -193,7 +194,7 @@ def call_region(layer: nn.Module, activations: list[torch.Tensor], call: str, ca
     # anyway (autograd drops it) gives it the same region as every later layer: one compile, not two
     if grad and "1" in grads and activations and activations[0].is_floating_point():
         grads = "1" + grads[1:]
-    call = f"{call}{SEP}{mode_entry(layer)}" if call else mode_entry(layer)
+    call = SEP.join(e for e in (call, autocast_entry(device), mode_entry(layer)) if e)
     outputs = REGION(tensors, layer._poros_table, layer._poros_layer, call, grads)
     k = 1
     for key, count in layer._poros_writes:

@@ -33,7 +33,7 @@ from ...errors import PorosConfigError
 from ..graph_metadata import forget_module_classes
 from ..ops import LOAD
 from .call import rebuild_call, state_mapping
-from .key import state_names
+from .key import autocast_of, state_names
 from .shapes import Expressions, Signature, TensorMeta, TensorSpec, new_env, read, read_plan, trace_inputs
 
 logger = logging.getLogger("poros_fx")
@@ -239,8 +239,10 @@ def isolated() -> Iterator[None]:
     # rebase the view's autograd history)
     for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor, keys.ADInplaceOrView):
         exclude = exclude.remove(key)
+    # autocast off: a region's graph follows its call (key.autocast_of), not whoever traces or compiles it
     with (unset_fake_temporarily(), disable_proxy_modes_tracing(), disable_functional_mode(), tracing(None),
-          torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)):
+          torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude),
+          torch._C._DisableAutocast()):
         yield
 
 
@@ -309,7 +311,7 @@ def _trace(layer: nn.Module, call: str, grads: str, metas: list[TensorMeta], ind
     training = "1" in grads
     mode = FakeTensorMode(shape_env=new_env(), allow_non_fake_inputs=True)
     # Dynamo propagates fake values with grad mode off; the joint trace needs it on
-    with isolated(), torch.set_grad_enabled(training):
+    with isolated(), torch.set_grad_enabled(training), autocast_of(call):
         dynamic = [symbolic and i < num_activations for i in range(len(metas))]
         op_inputs = trace_inputs(mode, metas, dynamic)
         expanded = packing.expand_metas(metas)
