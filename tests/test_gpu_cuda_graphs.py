@@ -139,3 +139,35 @@ def test_gpu_no_garbage_collection_inside_a_capture():
         graphs.replay(graph)
         assert torch.equal(outputs[0], x * 2)
     assert seen == [False, False]
+
+
+EXIT_SCRIPT = """
+import torch, poros_fx
+from poros_fx.tools.parity import train
+from poros_fx.tools.tiny import demo_batches, gemma4_options, tiny_lora_model
+
+models = []  # both alive at exit, as in a bench process that prepared several models
+for family, extra in (("qwen3_5_text", {}), ("gemma4_text", gemma4_options(moe=False))):
+    torch._dynamo.reset()
+    model = tiny_lora_model(family, layers=4, dtype=torch.bfloat16, nf4=True, dropout=0.1, device="cuda", **extra)
+    poros_fx.prepare(model, device="cuda")
+    step = torch.compile(model, backend="poros", options={"cuda_graphs": True})
+    batches = [{k: v.cuda() for k, v in b.items()} for b in demo_batches(6, seq=24, batch=1)]
+    train(model, step, batches)
+    assert poros_fx.stats(model)["cuda_graphs"]["replays"] > 0
+    models.append((model, step))
+print("trained", flush=True)
+"""
+
+
+def test_gpu_a_process_with_cuda_graphs_exits_cleanly(tmp_path):
+    """A process that trained models with CUDA graphs and keeps them to the end exits with status 0: their
+    graphs are freed while CUDA is still up (a bench process that prepared two real shapes died with
+    signal 11 after writing its results)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "trained" in done.stdout, (done.returncode, done.stderr[-3000:])

@@ -141,6 +141,10 @@ class CudaGraphs:
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)  # captures run on a side stream, as torch.cuda.graph's do
+        self.graphs: "weakref.WeakSet[Any]" = weakref.WeakSet()  # the live graphs, reset by the finalizer
+        # the graphs go while CUDA and the kernels they launch are still loaded: when this is freed, or at
+        # interpreter exit (a finalizer runs before teardown), never in teardown's own order
+        weakref.finalize(self, _reset_graphs, self.graphs, self.index)
 
     def capture(self, make_inputs: Callable[[], list], fn: Callable[[list], list]) -> tuple[Any, list, list]:
         """A graph of ``fn(make_inputs())`` (allocated in the pool), with the inputs and outputs it was captured
@@ -169,6 +173,7 @@ class CudaGraphs:
                 gc.enable()
             current.wait_stream(self.stream)
             torch.cuda.set_rng_state(rng, self.index)
+        self.graphs.add(graph)
         return graph, inputs, outputs
 
     def replay(self, graph: Any) -> None:
@@ -178,6 +183,16 @@ class CudaGraphs:
         pool = tuple(self.pool)
         return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
                    if tuple(s.get("segment_pool_id", ())) == pool and s.get("device") == self.index)
+
+
+def _reset_graphs(graphs: "weakref.WeakSet[Any]", device_index: int) -> None:
+    """Free the CUDA graphs still alive in ``graphs`` (and what they hold of the pool) now."""
+    live = list(graphs)
+    if live and torch.cuda.is_initialized():
+        torch.cuda.synchronize(device_index)
+        for graph in live:
+            graph.reset()
+    graphs.clear()
 
 
 class RegionGraphs:

@@ -44,7 +44,7 @@ from ..runtime.arena import shm_dir, shm_free_bytes
 from ..runtime.budget import estimate
 from ..runtime.depth import LIMIT
 from ..units import format_bytes, parse_size
-from . import bench as harness, multi_bench
+from . import bench as harness, exactness_sweep, multi_bench
 from .estimate import lora_bytes, step_memory
 from .evaluation import evaluate
 from .h2d import measure_gpus, measure_ranks
@@ -52,7 +52,7 @@ from .kernels import linear_attention_paths
 from .run_config import read_run_config
 from .run_state import claim_out, resume_settings
 from .sources import load_config, model_source, read_data, set_layers
-from .terminal import StepLog, console, fail
+from .terminal import StepLog, check_writable, console, fail
 from .tiny import demo_batches, lora_targets
 from .train_run import Interrupted, TrainOptions, train as train_run
 
@@ -543,6 +543,52 @@ def export(adapter_dir: Path = typer.Argument(..., help="the adapter folder `por
                   f"({report.seconds:.1f} s; largest tensor held {format_bytes(report.largest_tensor_bytes)}). "
                   f"Load it with transformers.AutoModelForCausalLM.from_pretrained({str(report.out)!r})", soft_wrap=True,
                   highlight=False)
+
+
+# -- exactness -------------------------------------------------------------------------------------
+
+@app.command()
+def exactness(examples: int = typer.Option(40, min=1, help="training configurations to draw and run"),
+              device: str = typer.Option("cpu", callback=_device, help="cpu or cuda"),
+              seed: int = typer.Option(0, help="Hypothesis seed (worker i draws with seed + i)"),
+              workers: int = typer.Option(1, min=1, help="processes drawing at once (a GPU machine's CPU cores "
+                                          "compile in parallel)"),
+              json_path: Optional[Path] = typer.Option(None, "--json", help="write every row as JSON here"),
+              md: Optional[Path] = typer.Option(None, help="write the table as markdown here"),
+              shrink: bool = typer.Option(False, help="stop at the first failure and shrink it to the smallest "
+                                          "configuration that still fails (one worker)")) -> None:
+    """Draw whole training configurations and check each: streamed == stream=False (== the eager loop with
+    the eager codegen), or a PorosError before the first optimizer step. Exit status 1 if any differs or
+    crashed."""
+    import shlex
+    import sys
+
+    for path in (json_path, md):
+        if path is not None:
+            check_writable(path)
+    command = shlex.join(["poros-fx", *sys.argv[1:]])
+
+    def show(row: exactness_sweep.Row) -> None:
+        console.print(f"{row.status:8} {row.seconds:6.1f} s  {row.drawn}"
+                      + (f"\n         {row.detail}" if row.status not in ("equal",) else ""),
+                      soft_wrap=True, highlight=False)
+
+    if shrink:
+        rows = exactness_sweep.sweep(examples, device or "cpu", seed, shrink=True, progress=show)
+    else:
+        rows = exactness_sweep.parallel_sweep(examples, device or "cpu", seed, workers, progress=show)
+    env = exactness_sweep.environment(device or "cpu")
+    if json_path is not None:
+        exactness_sweep.write_json(json_path, rows, env, command)
+    if md is not None:
+        exactness_sweep.write_markdown(md, rows, env, command)
+    c = exactness_sweep.counts(rows)
+    console.print(f"{len(rows)} examples: {c['equal']} equal, {c['refused']} refused, {c['differs']} differ, "
+                  f"{c['crashed']} crashed", highlight=False)
+    if shrink and rows and rows[-1].status not in ("equal", "refused"):
+        console.print(f"smallest failing configuration:\n{rows[-1].config}", soft_wrap=True, highlight=False)
+    if c["differs"] or c["crashed"]:
+        raise typer.Exit(1)
 
 
 # -- bench ------------------------------------------------------------------------------------------

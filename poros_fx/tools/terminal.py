@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import statistics
+import tempfile
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -24,6 +26,19 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     Console(stderr=True).print("[red]error:[/red] " + escape(" ".join(message.split())), soft_wrap=True,
                                highlight=False)
     return typer.Exit(code)
+
+
+def check_writable(path: Path) -> None:
+    """Make ``path``'s folder and try a file in it, before any work that would end by writing ``path``;
+    ``fail`` with the reason if that cannot be done."""
+    if path.is_dir():
+        raise fail(f"cannot write {path}: it is a folder; give a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".poros-write-check-"):
+            pass
+    except OSError as e:
+        raise fail(f"cannot write {path}: {e.strerror or e}; give another path") from None
 
 
 class StepLog:

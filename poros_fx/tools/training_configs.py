@@ -182,11 +182,15 @@ def configs(draw: st.DrawFn, device: str = "cpu") -> TrainingConfig:
     if device == "cuda":
         options["cuda_graphs"] = draw(st.booleans())
     base = draw(st.sampled_from(BASES))
+    surface_attach = surface == "compile" and draw(st.integers(0, 3)) == 0
+    # DoRA attached to an already prepared NF4 base fails inside PEFT's own DoRA set-up (it dequantizes the
+    # host weight); prepare refuses DoRA on NF4 when the adapter is there first
+    dora = draw(st.integers(0, 7)) == 0 and not (surface_attach and base.startswith("nf4"))
     toggles = tuple(draw(st.lists(st.sampled_from(TOGGLES), max_size=3))) if surface == "compile" else ()
     return TrainingConfig(
         shape=shape, base=base, rank=rank, alpha=draw(st.sampled_from([rank, 2 * rank, 16])),
-        dropout=draw(st.sampled_from([0.0, 0.1])), targets=targets, dora=draw(st.integers(0, 7)) == 0,
-        attach_after_prepare=surface == "compile" and draw(st.integers(0, 3)) == 0, data=data, surface=surface,
+        dropout=draw(st.sampled_from([0.0, 0.1])), targets=targets, dora=dora,
+        attach_after_prepare=surface_attach, data=data, surface=surface,
         accumulate=accumulate, steps=steps, block_major=draw(st.booleans()),
         clip=draw(st.sampled_from([None, 0.05, 1.0])), toggles=toggles,
         edit_adapter=surface in ("compile", "step") and draw(st.integers(0, 3)) == 0,
