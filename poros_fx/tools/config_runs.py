@@ -30,6 +30,7 @@ from ..runtime.accumulate import block_major
 from ..step import step as poros_step
 from .parity import Trace, compare, optimizer_step
 from .tiny import add_lora, base_model, tiny_config
+from .tiny_tokenizer import chat_records, tiny_tokenizer
 from .training_configs import TrainingConfig
 
 MODES = ("streamed", "stream=False", "eager")
@@ -384,7 +385,7 @@ def _training_args(config: TrainingConfig, device: torch.device, out: str, cls: 
 
 def train_trainer(config: TrainingConfig, mode: str, device: torch.device, trace: Trace) -> nn.Module:
     """``PorosTrainer`` (``eager``: a plain ``transformers.Trainer``) on the drawn micro-batches."""
-    from ..hf import PorosTrainer
+    from ..hf import PorosTrainer  # lazy: transformers.Trainer
 
     data = batches(config, torch.device("cpu"))
     model = build(config)
@@ -404,8 +405,7 @@ def train_sft(config: TrainingConfig, mode: str, device: torch.device, trace: Tr
     import datasets
     import trl
 
-    from ..hf import PorosSFTTrainer
-    from .tiny_tokenizer import chat_records, tiny_tokenizer
+    from ..sft import PorosSFTTrainer  # lazy: trl
 
     d = config.data
     records = chat_records(config.steps * config.accumulate * d.batch + 2)
