@@ -132,7 +132,9 @@ def install(lm: nn.Module, decoder: str, rows: Rows | None,
     """Give the ``*ForCausalLM`` module ``lm`` a class whose forward, while gradients are on and labels
     are given and ``lm._poros_chunked_loss`` is set, runs its ``decoder`` submodule and
     ``chunked_causal_lm_loss`` over ``chunks`` with ``rows`` (``None``: the head cannot be chunked, and
-    asking for it raises), and returns ``logits=None``; otherwise its own forward. Returns the undo."""
+    asking for it raises), and returns ``logits=None``; otherwise its own forward. While gradients are
+    on, a call that asks for no cache (``use_cache`` and ``past_key_values`` not given) builds none.
+    Returns the undo."""
     original = type(lm)
 
     @functools.wraps(original.forward)  # its signature: the Trainer keeps the dataset columns it names
@@ -170,9 +172,14 @@ def set_chunked_loss(lm: nn.Module, on: bool) -> None:
 def _causal_lm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``*ForCausalLM.forward`` with the head and loss chunked (see ``install``)."""
     original = self._poros_lm_class.forward
-    if not self._poros_chunked_loss or not torch.is_grad_enabled() or kwargs.get("logits_to_keep", 0) != 0:
-        return original(self, *args, **kwargs)
     kwargs = {**dict(zip(self._poros_lm_params, args)), **kwargs}
+    if (torch.is_grad_enabled() and "use_cache" in self._poros_lm_params and kwargs.get("use_cache") is None
+            and kwargs.get("past_key_values") is None):
+        # a training step reads no cache; building one (transformers' default) breaks Dynamo's graph at
+        # a sliding-window layer and keeps the decoder layers from running as regions
+        kwargs["use_cache"] = False
+    if not self._poros_chunked_loss or not torch.is_grad_enabled() or kwargs.get("logits_to_keep", 0) != 0:
+        return original(self, **kwargs)
     labels = kwargs.pop("labels", None)
     if labels is None:
         return original(self, **kwargs)

@@ -5,11 +5,13 @@ config, LoRA dropout 0.1 on every decoder-layer linear, gradient accumulation 2,
 ``torch.equal`` on loss, adapter weights, gradient norms and optimizer state.
 """
 
+import warnings
+
 import pytest
 import torch
 
 import poros_fx
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
+from poros_fx.tools.parity import SURFACES, adamw, compare, format_diffs, train
 from poros_fx.compiler import block_graph
 from poros_fx.prepare import get_store
 from poros_fx.tools.tiny import demo_batches, gemma4_options, lora_targets, tiny_config, tiny_lora_model
@@ -190,3 +192,34 @@ def test_new_family_configs_exercise_their_features():
     assert gemma.model.embed_tokens_per_layer.weight.shape == (256, 4 * 16)  # per-layer embeddings
     assert gemma.model.layers[2].mlp.intermediate_size == 2 * gemma.model.layers[0].mlp.intermediate_size
     assert all(layer.enable_moe_block for layer in gemma.model.layers)
+
+
+def test_gemma3_user_loop_without_use_cache_runs_layers_as_regions_and_is_exact():
+    """A loop that leaves ``use_cache`` to transformers (a DynamicCache while training) with a batch
+    shorter than the sliding window: the layers still run as regions, and every step is exact."""
+    def run(mode):
+        model = tiny_lora_model("gemma3_text", dtype=torch.bfloat16, dropout=0.0, tie_word_embeddings=True,
+                                layer_types=["sliding_attention"] * 3, sliding_window=9)
+        step_model = model
+        if mode != "eager":
+            poros_fx.prepare(model, device="cpu", block_size=1, prefetch=1)
+            step_model = torch.compile(model, backend="poros", options={"stream": True, "codegen": "eager"})
+        opt = adamw(model)
+        g = torch.Generator().manual_seed(1)
+        losses = []
+        for length in (12, 4, 12):
+            ids = torch.randint(0, 256, (2, length), generator=g)
+            loss = step_model(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        return losses, [p.detach().clone() for p in model.parameters() if p.requires_grad]
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*traced into this graph one by one.*")
+        warnings.filterwarnings("error", message=".*Dynamo split the step.*")
+        streamed = run("stream")
+    eager = run("eager")
+    assert all(torch.equal(a, b) for a, b in zip(streamed[0], eager[0]))
+    assert all(torch.equal(a, b) for a, b in zip(streamed[1], eager[1]))
