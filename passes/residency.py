@@ -86,7 +86,9 @@ def check_no_base_leaves(graph: fx.Graph, loads: list[fx.Node], phase: str) -> N
         source = [ld.name for ld in loads if ld in _ancestors(n)]
         raise PorosExactnessError(f"{phase} graph hands {n.name} ({n.target}), computed from the loaded base tensor(s) "
                                   f"{', '.join(source[:4])} alone, to its output; the backward would keep base data "
-                                  "on the device instead of loading it again")
+                                  "on the device instead of loading it again. Dynamo splitting the step between "
+                                  "the load and its use (a graph break) does this: TORCH_LOGS=graph_breaks names "
+                                  "the break; remove it, or train with stream=False")
 
 
 _SCALARS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)  # sizes a graph may hand on

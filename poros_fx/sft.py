@@ -71,6 +71,9 @@ class PorosSFTTrainer(PorosTrainer, trl.SFTTrainer):
         if args.world_size > 1:  # the backbone is compiled apart from DDP's wrapper: its gradients would not be synced
             raise PorosConfigError("PorosSFTTrainer runs in one process for now (torchrun / accelerate launch with "
                                    f"{args.world_size} processes asked for); PorosTrainer runs under torchrun")
+        if (poros_options or {}).get("chunked_loss"):
+            raise PorosConfigError("PorosSFTTrainer: leave chunked_loss unset; SFTTrainer scores the labels with its "
+                                   "own fused LM head, which already projects the vocabulary a tile at a time")
         if checkpointing_on(args):
             logger.info("PorosSFTTrainer: gradient_checkpointing switched off (the poros backend recomputes each block "
                         "in the backward itself)")

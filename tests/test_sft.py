@@ -140,3 +140,11 @@ def test_plain_sft_trainer_on_a_prepared_model_is_refused(tmp_path):
                              train_dataset=datasets.Dataset.from_list(chat_records(4)), processing_class=tiny_tokenizer())
     with pytest.raises(poros_fx.PorosConfigError, match="PorosSFTTrainer"):
         trainer.train()
+
+
+def test_chunked_loss_is_refused_before_training(tmp_path):
+    """TRL's fused head already chunks the vocabulary; poros's chunked loss cannot apply, and says so."""
+    with pytest.raises(poros_fx.PorosConfigError, match="chunked_loss"):
+        PorosSFTTrainer(model=model(), args=sft_args(tmp_path, "chunked", max_steps=1),
+                        train_dataset=datasets.Dataset.from_list(chat_records(4)), processing_class=tiny_tokenizer(),
+                        poros_options={"chunked_loss": True})
