@@ -29,6 +29,13 @@ import torch
 from torch._higher_order_ops.cond import cond_op
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
+from .errors import PorosConfigError
+
+ATTENTION_DROPOUT_MESSAGE = (
+    "attention dropout ({dropout}) while training: the SDPA kernel draws its dropout mask inside the kernel "
+    "eager's mask decision branches to, and a branch's backward runs it again with fresh numbers, so the "
+    "gradients would not be exact. Set model.config.attention_dropout = 0.0, or load the model with "
+    "attn_implementation='eager' (its attention dropout is an op of its own, replayed exactly)")
 NAME = "poros_sdpa"  # the attention implementation a prepared model's config names
 WRAPS = "sdpa"  # the implementation it stands in for
 
@@ -40,6 +47,16 @@ def register() -> None:
 
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, mask)
+
+
+def check_no_dropout(config: Any) -> None:
+    """Refuse attention dropout on a model whose attention is ``"sdpa"`` (``ATTENTION_DROPOUT_MESSAGE``)."""
+    if getattr(config, "_attn_implementation", None) not in (WRAPS, NAME):
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    dropout = getattr(text, "attention_dropout", 0.0) or 0.0
+    if dropout:
+        raise PorosConfigError(ATTENTION_DROPOUT_MESSAGE.format(dropout=dropout))
 
 
 def use(config: Any) -> Callable[[], None] | None:
@@ -128,6 +145,9 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     eager would have run, chosen by ``torch.cond`` on ``skip``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    dropout = kwargs.get("dropout", 0.0)
+    if dropout and torch.compiler.is_compiling():
+        raise PorosConfigError(ATTENTION_DROPOUT_MESSAGE.format(dropout=dropout))
     if not isinstance(attention_mask, tuple):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     full_mask, skip = attention_mask

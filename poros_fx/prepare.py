@@ -146,6 +146,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
                                f"layers={found!r}, ...)" if found and found != fam.layers else ""))
     for layer in layers:
         check_no_dora_on_nf4(layer)
+    attention.check_no_dropout(config)
     _place_on_device(model, device)  # after every check above: a refused model is left where it was
 
     names = block_names(len(layers), block_size)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 
+import warnings
+
 import pytest
 import torch
 
@@ -168,21 +170,31 @@ def _accumulate(model, step_model, micro_batches, block_major: bool, hook: bool)
     return [*[loss.detach() for loss in losses], *seen, *(p.grad.clone() for p in params)]
 
 
-@pytest.mark.parametrize("case", ["hook", "attention_dropout"])
-def test_block_major_runs_micro_batch_order_up_front(case):
-    """A gradient hook on an adapter weight (it sees each micro-batch's gradient in micro-batch order), or
-    random numbers drawn inside a torch.cond branch (attention dropout on a padded batch): the step runs
-    micro-batch after micro-batch from its start, with a warning that says why, and equals it."""
+def test_block_major_runs_micro_batch_order_up_front_for_a_gradient_hook():
+    """A gradient hook on an adapter weight sees each micro-batch's gradient in micro-batch order: the
+    step runs micro-batch after micro-batch from its start, with a warning that says why, and equals it."""
+    micro_batches = batches_of([(2, 16), (2, 16)])
+    first = _prepared()  # kept alive: the second copy takes its region instead of tracing it again
+    with pytest.warns(UserWarning, match="gradient hook"):
+        block = _accumulate(*first, micro_batches, block_major=True, hook=True)
+    micro = _accumulate(*_prepared(), micro_batches, block_major=False, hook=True)
+    assert len(block) == len(micro) and all(torch.equal(a, b) for a, b in zip(block, micro))
+
+
+def test_attention_dropout_with_sdpa_is_refused_and_with_eager_attention_runs_block_major():
+    """SDPA draws its dropout mask inside the kernel eager's mask decision branches to (``torch.cond``),
+    and a branch's backward draws again: refused at prepare. Eager attention's dropout is an op of its own:
+    block-major replays it and equals micro-batch order on a padded batch."""
     from poros_fx.tools.tiny import attention_batches
 
-    config = {"attention_dropout": 0.2} if case == "attention_dropout" else {}
-    micro_batches = (attention_batches(2, seq=16, mode="pad") if case == "attention_dropout"
-                     else batches_of([(2, 16), (2, 16)]))
-    hook = case == "hook"
-    first = _prepared(**config)  # kept alive: the second copy takes its region instead of tracing it again
-    with pytest.warns(UserWarning, match="gradient hook" if hook else "cannot replay"):
-        block = _accumulate(*first, micro_batches, block_major=True, hook=hook)
-    micro = _accumulate(*_prepared(**config), micro_batches, block_major=False, hook=hook)
+    with pytest.raises(poros_fx.PorosConfigError, match="attn_implementation='eager'"):
+        _prepared(attention_dropout=0.2)
+    micro_batches = attention_batches(2, seq=16, mode="pad")
+    first = _prepared(attention_dropout=0.2, attn="eager")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*cannot replay.*")
+        block = _accumulate(*first, micro_batches, block_major=True, hook=False)
+    micro = _accumulate(*_prepared(attention_dropout=0.2, attn="eager"), micro_batches, block_major=False, hook=False)
     assert len(block) == len(micro) and all(torch.equal(a, b) for a, b in zip(block, micro))
 
 
