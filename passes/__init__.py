@@ -7,7 +7,8 @@ An inference graph (no grad: AOTAutograd compiles a forward only, with no joint 
 through ``INFERENCE_PASSES``. ``lower_regions`` runs ``REGION_PASSES`` once on each region's own
 forward and backward graphs (a decoder layer, ``poros_fx/compiler/regions.py``) before compiling it
 (the 4-bit matmul lowering; with the eager codegen, views that real kernels' strides may refuse become
-reshapes). ``capture_regions`` comes last: with ``options={"cuda_graphs": True}`` the region calls go
+reshapes, and dropout's gradient on the CPU is eager's ``grad * noise``). ``capture_regions`` comes
+last: with ``options={"cuda_graphs": True}`` the region calls go
 through CUDA graphs (``poros_fx/runtime/cuda_graphs.py``).
 After every pass the dump hook (``poros_fx.compiler.dump``) writes the graph when dumping is on.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from .block_partition import block_partition
 from .capture_regions import capture_regions
+from .cpu_dropout_backward import cpu_dropout_backward
 from .lower_matmul_4bit import lower_matmul_4bit
 from .lower_regions import lower_regions
 from .lower_rng import lower_rng
@@ -29,8 +31,8 @@ from .rng import rng
 JOINT_PASSES = (block_partition, recompute)
 INFERENCE_PASSES = (block_partition,)
 GRAPH_PASSES = (lower_matmul_4bit, rng, lower_rng, lower_regions, prefetch, residency, offload, capture_regions)
-REGION_PASSES = (lower_matmul_4bit, reshape_views)
+REGION_PASSES = (lower_matmul_4bit, reshape_views, cpu_dropout_backward)
 
 __all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "REGION_PASSES", "block_partition", "capture_regions",
-           "lower_matmul_4bit",
+           "cpu_dropout_backward", "lower_matmul_4bit",
            "lower_regions", "lower_rng", "offload", "prefetch", "recompute", "reshape_views", "residency", "rng"]
