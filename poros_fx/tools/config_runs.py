@@ -467,7 +467,7 @@ def eager_comparable(config: TrainingConfig) -> bool:
 
 def check(config: TrainingConfig, device: str | torch.device = "cpu") -> Outcome:
     """Train ``config`` streamed and against its references; raises ``InvalidConfig`` for a model that
-    transformers or PEFT refuse before poros sees it."""
+    transformers or PEFT refuse before poros sees it, or whose plain eager loop fails on its own."""
     device = torch.device(device)
     start = time.perf_counter()
     compared = ("stream=False", "eager") if eager_comparable(config) else ("stream=False",)
@@ -489,6 +489,9 @@ def check(config: TrainingConfig, device: str | torch.device = "cpu") -> Outcome
         try:
             other, _ = train_once(config, reference, device)
         except RunFailed as failed:
+            if reference == "eager" and not isinstance(failed.error, PorosError):
+                # the plain loop on its own (bitsandbytes' CPU inference packing of an NF4 weight, say)
+                raise InvalidConfig(f"the plain eager loop fails on its own: {_crash_text(failed)}") from None
             return outcome("crashed", f"the streamed run ran, {reference} did not: {_crash_text(failed)}")
         diffs = compare(streamed, other)
         if any(v != 0.0 for v in diffs.values()):
