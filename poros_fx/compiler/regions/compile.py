@@ -16,10 +16,11 @@ decompositions, and a decomposition may lay an output out otherwise than the ate
 A region's graphs go through Inductor's FX graph cache (on disk, ``TORCHINDUCTOR_CACHE_DIR``), so a
 second process compiling the same layer structure loads the compiled code instead of lowering and
 compiling it again. Inductor bypasses the cache for a graph holding a ``cond`` (the attention's SDPA
-choice, traced as the higher-order op): ``cacheable_cond`` marks ``cond`` cacheable for the region's
-compile, keyed by the torch version. Its branches are subgraphs of the graph, so the cache key (the
-graph's code and its submodules') covers them; ``tests/test_compile_cache.py`` checks that a second
-process hits the cache and trains the same bits.
+choice, traced as the higher-order op): ``region_inductor_config`` marks ``cond`` cacheable for the
+region's compile, keyed by the torch version. Its branches are subgraphs of the graph, so the cache
+key (the graph's code and its submodules') covers them; ``tests/test_compile_cache.py`` checks that a
+second process hits the cache and trains the same bits. The same config turns on Inductor's
+deterministic mode: no reduction kernel's block size is chosen by timing candidates on the device.
 """
 
 from __future__ import annotations
@@ -42,13 +43,18 @@ logger = logging.getLogger("poros_fx")
 
 
 
-def cacheable_cond() -> Any:
-    """Inductor's config with ``cond`` (``torch.ops.higher_order.cond``) allowed in the FX graph cache."""
+def region_inductor_config() -> Any:
+    """Inductor's config for a region: ``cond`` (``torch.ops.higher_order.cond``) allowed in the FX graph
+    cache, and Inductor's deterministic mode. Without it a reduction kernel (a norm, a softmax) picks its
+    block size and warp count by timing candidates on the device the first time it runs at a size, and
+    those choices change the order it sums in: two runs of one step, streamed and ``stream=False``,
+    could pick differently and part by an ulp, most likely when the sequence length changes from one
+    micro-batch to the next (each new size is timed again)."""
     from torch._higher_order_ops.cond import cond_op
     from torch._inductor import config as inductor_config
 
     name = f"{cond_op.__module__}.{cond_op.__name__}"
-    return inductor_config.patch(unsafe_marked_cacheable_functions={
+    return inductor_config.patch(deterministic=True, unsafe_marked_cacheable_functions={
         **inductor_config.unsafe_marked_cacheable_functions, name: torch.__version__})
 
 
@@ -160,7 +166,7 @@ def _inductor(region: Region, gm: fx.GraphModule, draws_of: Callable[[fx.GraphMo
 
     mode = region.mode
     inputs = [p.meta["val"] for p in gm.graph.find_nodes(op="placeholder")]
-    with isolated(), tracing(TracingContext(mode)), V.set_fake_mode(mode), cacheable_cond():
+    with isolated(), tracing(TracingContext(mode)), V.set_fake_mode(mode), region_inductor_config():
         with mode:
             decomposed = make_fx(TracedLayout(gm, inputs, mode.shape_env).run, decomposition_table=select_decomp_table(),
                                  tracing_mode="symbolic" if region.signature.dynamic else "real")(*inputs)
