@@ -573,6 +573,7 @@ def exactness(examples: int = typer.Option(40, min=1, help="training configurati
                       + (f"\n         {row.detail}" if row.status not in ("equal",) else ""),
                       soft_wrap=True, highlight=False)
 
+    exactness_sweep.quiet_libraries()
     if shrink:
         rows = exactness_sweep.sweep(examples, device or "cpu", seed, shrink=True, progress=show)
     else:

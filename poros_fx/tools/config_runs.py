@@ -396,6 +396,7 @@ def train_trainer(config: TrainingConfig, mode: str, device: torch.device, trace
         trainer = _recording(cls, trace)(
             model=model, args=_training_args(config, device, out, transformers.TrainingArguments),
             train_dataset=_Rows(data), data_collator=lambda items: items[0], callbacks=[_Recorder(trace)], **kwargs)
+        trainer.remove_callback(transformers.PrinterCallback)  # the trace records the log; no print per step
         trainer.train()
     return model
 
@@ -418,6 +419,7 @@ def train_sft(config: TrainingConfig, mode: str, device: torch.device, trace: Tr
         args = _training_args(config, device, out, trl.SFTConfig, gradient_checkpointing=False, **extra)
         trainer = _recording(cls, trace)(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
                                          processing_class=tiny_tokenizer(), callbacks=[_Recorder(trace)], **kwargs)
+        trainer.remove_callback(transformers.PrinterCallback)
         trainer.train()
     return model
 

@@ -15,6 +15,7 @@ import datetime
 import json
 import multiprocessing
 import platform
+import queue
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -70,33 +71,54 @@ def sweep(examples: int, device: str, seed: int, *, worker: int = 0, shrink: boo
     return rows
 
 
+def quiet_libraries() -> None:
+    """No progress bars or info lines from datasets and transformers in this process: the rows are the
+    sweep's output."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    try:
+        import datasets  # the trl extra (the SFT surface)
+    except ImportError:
+        return
+    datasets.disable_progress_bars()
+
+
 def _row(worker: int, index: int, config: TrainingConfig, outcome: Outcome) -> Row:
     return Row(worker=worker, index=index, status=outcome.status, seconds=round(outcome.seconds, 1),
                compared=outcome.compared, drawn=config.describe(), detail=outcome.detail, config=repr(config))
 
 
-def _worker(args: tuple[int, int, str, int]) -> list[Row]:
-    examples, seed, device, worker = args
+def _worker(args: tuple[int, int, str, int, Any]) -> list[Row]:
+    examples, seed, device, worker, finished = args
     torch.set_num_threads(1)
-    return sweep(examples, device, seed, worker=worker)
+    quiet_libraries()
+    return sweep(examples, device, seed, worker=worker, progress=finished.put)
 
 
 def parallel_sweep(examples: int, device: str, seed: int, workers: int,
                    progress: Optional[Callable[[Row], None]] = None) -> list[Row]:
     """``examples`` spread over ``workers`` processes (spawned: CUDA does not survive a fork), seeds
-    ``seed``, ``seed + 1``, ...; a worker's rows arrive when it finishes."""
+    ``seed``, ``seed + 1``, ...; ``progress`` sees each row as its example finishes, whichever worker ran it."""
     if workers <= 1:
         return sweep(examples, device, seed, progress=progress)
     shares = [examples // workers + (1 if i < examples % workers else 0) for i in range(workers)]
     rows: list[Row] = []
     context = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        futures = [pool.submit(_worker, (n, seed + i, device, i)) for i, n in enumerate(shares) if n]
-        for future in concurrent.futures.as_completed(futures):
-            for row in future.result():
-                rows.append(row)
-                if progress is not None:
-                    progress(row)
+    with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(max_workers=workers,
+                                                                             mp_context=context) as pool:
+        finished = manager.Queue()
+        futures = [pool.submit(_worker, (n, seed + i, device, i, finished)) for i, n in enumerate(shares) if n]
+        while not all(f.done() for f in futures) or not finished.empty():
+            try:
+                row = finished.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+        for future in futures:
+            future.result()  # a worker that died raises here
     return sorted(rows, key=lambda r: (r.worker, r.index))
 
 

@@ -146,10 +146,10 @@ def shapes(draw: st.DrawFn) -> Shape:
             config.update(enable_moe_block=True, num_experts=3, top_k_experts=2, moe_intermediate_size=head_dim + 3)
     if family == "gemma3_text":
         config["tie_word_embeddings"] = draw(st.booleans())
-    if draw(st.integers(0, 3)) == 0:  # transformers' eager attention instead of SDPA
-        config["attn"] = "eager"
-    if draw(st.integers(0, 3)) == 0:  # refused with SDPA (attention.py), exact with eager attention
+    if draw(st.integers(0, 5)) == 0:  # refused with SDPA (attention.py), exact with eager attention
         config["attention_dropout"] = 0.1
+    if draw(st.integers(0, 3)) == 0 or "attention_dropout" in config and draw(st.integers(0, 3)) > 0:
+        config["attn"] = "eager"  # transformers' eager attention instead of SDPA
     return Shape(family=family, layers=layers, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                  intermediate=intermediate, vocab=vocab, config=tuple(sorted(config.items())))
 
