@@ -49,14 +49,18 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, mask)
 
 
+ATTENTION_DROPOUT_KEYS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")  # transformers' names
+
+
 def check_no_dropout(config: Any) -> None:
     """Refuse attention dropout on a model whose attention is ``"sdpa"`` (``ATTENTION_DROPOUT_MESSAGE``)."""
     if getattr(config, "_attn_implementation", None) not in (WRAPS, NAME):
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    dropout = getattr(text, "attention_dropout", 0.0) or 0.0
-    if dropout:
-        raise PorosConfigError(ATTENTION_DROPOUT_MESSAGE.format(dropout=dropout))
+    for key in ATTENTION_DROPOUT_KEYS:
+        dropout = getattr(text, key, 0.0) or 0.0
+        if dropout:
+            raise PorosConfigError(ATTENTION_DROPOUT_MESSAGE.format(dropout=f"{key}={dropout}"))
 
 
 def use(config: Any) -> Callable[[], None] | None:
@@ -145,9 +149,6 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     eager would have run, chosen by ``torch.cond`` on ``skip``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    dropout = kwargs.get("dropout", 0.0)
-    if dropout and torch.compiler.is_compiling():
-        raise PorosConfigError(ATTENTION_DROPOUT_MESSAGE.format(dropout=dropout))
     if not isinstance(attention_mask, tuple):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     full_mask, skip = attention_mask

@@ -118,7 +118,7 @@ def eager_rows(head: nn.Linear) -> Rows:
 # -- the prepared causal LM's forward --------------------------------------------------------------
 
 LM_ATTRS = ("_poros_chunked_loss", "_poros_loss_chunks", "_poros_loss_rows", "_poros_lm_class", "_poros_lm_params",
-            "_poros_decoder")
+            "_poros_decoder", "_poros_no_training_cache")
 
 
 def chunkable_head(head: nn.Module | None) -> bool:
@@ -128,13 +128,13 @@ def chunkable_head(head: nn.Module | None) -> bool:
 
 
 def install(lm: nn.Module, decoder: str, rows: Rows | None,
-            chunks: tuple[tuple[int, int], ...], chunked_loss: bool) -> Callable[[], None]:
+            chunks: tuple[tuple[int, int], ...], chunked_loss: bool, no_training_cache: bool) -> Callable[[], None]:
     """Give the ``*ForCausalLM`` module ``lm`` a class whose forward, while gradients are on and labels
     are given and ``lm._poros_chunked_loss`` is set, runs its ``decoder`` submodule and
     ``chunked_causal_lm_loss`` over ``chunks`` with ``rows`` (``None``: the head cannot be chunked, and
     asking for it raises), and returns ``logits=None``; otherwise its own forward. While gradients are
-    on, a call that asks for no cache (``use_cache`` and ``past_key_values`` not given) builds none.
-    Returns the undo."""
+    on, a call that asks for no cache (``use_cache`` and ``past_key_values`` not given) builds none when
+    ``no_training_cache`` (a validated family: its layers fit regions without one). Returns the undo."""
     original = type(lm)
 
     @functools.wraps(original.forward)  # its signature: the Trainer keeps the dataset columns it names
@@ -148,6 +148,7 @@ def install(lm: nn.Module, decoder: str, rows: Rows | None,
     lm._poros_loss_rows = rows
     lm._poros_loss_chunks = chunks
     lm._poros_chunked_loss = False
+    lm._poros_no_training_cache = no_training_cache
     set_chunked_loss(lm, chunked_loss)
 
     def undo() -> None:
@@ -173,8 +174,8 @@ def _causal_lm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``*ForCausalLM.forward`` with the head and loss chunked (see ``install``)."""
     original = self._poros_lm_class.forward
     kwargs = {**dict(zip(self._poros_lm_params, args)), **kwargs}
-    if (torch.is_grad_enabled() and "use_cache" in self._poros_lm_params and kwargs.get("use_cache") is None
-            and kwargs.get("past_key_values") is None):
+    if (self._poros_no_training_cache and torch.is_grad_enabled() and "use_cache" in self._poros_lm_params
+            and kwargs.get("use_cache") is None and kwargs.get("past_key_values") is None):
         # a training step reads no cache; building one (transformers' default) breaks Dynamo's graph at
         # a sliding-window layer and keeps the decoder layers from running as regions
         kwargs["use_cache"] = False

@@ -218,7 +218,8 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
         store.undo.append(lambda module=module, original=original: restore_class(module, original))
     if regions:
         _make_regions(store, layers)
-    store.undo.append(loss.install(lm, fam.layers.rpartition(".")[0], loss_rows, loss_chunks or (), chunked_loss))
+    store.undo.append(loss.install(lm, fam.layers.rpartition(".")[0], loss_rows, loss_chunks or (), chunked_loss,
+                                   no_training_cache=fam.status == "validated"))
     store.lm_ref = weakref.ref(lm)
     if device.type == "cuda":
         store.arena.pin()  # one exact-size page-locked range (see runtime/arena.py)

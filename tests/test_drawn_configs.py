@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import hypothesis
 import pytest
+import torch
 from hypothesis import HealthCheck, given, seed, settings
 
-from poros_fx.tools.config_runs import InvalidConfig, check
+from poros_fx.tools.config_runs import InvalidConfig, check, known_eager_difference, train_once
+from poros_fx.tools.parity import compare
 from poros_fx.tools.training_configs import Data, Shape, TrainingConfig, configs
 
 SHARDS = 8  # pytest-xdist spreads the shards over its workers
@@ -60,5 +62,8 @@ TRAINER_AUTOCAST_DELTANET = (
                                        "projection differs from the plain Trainer (docs/exactness.md)")
 def test_trainer_autocast_dropout_on_gated_deltanet_equals_the_plain_trainer() -> None:
     config = eval(TRAINER_AUTOCAST_DELTANET, {"TrainingConfig": TrainingConfig, "Shape": Shape, "Data": Data})
-    outcome = check(config, "cpu")
-    assert outcome.status == "equal", outcome.detail
+    assert known_eager_difference(config)  # the property compares it with stream=False only, until this passes
+    streamed, _ = train_once(config, "streamed", torch.device("cpu"))
+    eager, _ = train_once(config, "eager", torch.device("cpu"))
+    diffs = compare(streamed, eager)
+    assert all(v == 0.0 for v in diffs.values()), diffs

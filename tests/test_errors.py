@@ -63,15 +63,20 @@ def test_user_asserted_family_without_blocks():
 
 
 def test_user_asserted_layer_that_does_not_fit_a_region():
-    """GPT-2 with attention dropout: its layer cannot be traced as a region (the attention's branches
-    alias); one PorosConfigError says so, and what to do, instead of Dynamo's traceback alone."""
+    """GPT-2 with attention dropout: refused by prepare (attention dropout on SDPA). Switched on after
+    prepare, its layer cannot be traced as a region (the attention's branches alias), and one
+    PorosConfigError says so, and what to do, instead of Dynamo's traceback alone."""
     import peft
 
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)  # attn_pdrop 0.1
     model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
                                 peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
     family = poros_fx.user_asserted("gpt2", layers="transformer.h", embed="transformer.wte", norm="transformer.ln_f")
+    with pytest.raises(poros_fx.PorosConfigError, match="attn_pdrop=0.1"):
+        poros_fx.prepare(model, device="cpu", family=family)
+    model.base_model.model.config.attn_pdrop = 0.0
     poros_fx.prepare(model, device="cpu", family=family)
+    model.base_model.model.transformer.h[0].attn.attn_dropout.p = 0.1
     ids = torch.randint(0, 64, (1, 16))
     with pytest.raises(Exception) as err:
         torch.compile(model, backend="poros")(input_ids=ids, labels=ids, use_cache=False)

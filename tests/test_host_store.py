@@ -141,7 +141,10 @@ def test_a_block_is_one_copy_and_the_group_views_keep_host_alignment():
     assert all(torch.equal(a, d) and a.data_ptr() != d.data_ptr() for a, d in zip(again, out))
     runtime.load_group(hosts[:2], torch.device("cpu"), 1)
     assert len(runtime._plans) == 2
-    # compiled: one copy per group (forward: embed's table is gathered, layers, head; backward: head, layers)
+    # compiled, each layer traced into the step's graph (a region takes a block as one flat tensor): one copy per
+    # group of many tensors (forward: embed's table is gathered, layers, head; backward: head, layers)
+    poros_fx.unprepare(model)
+    poros_fx.prepare(model, device="cpu", regions=False)
     compiled = torch.compile(model, backend="poros", options={"turnaround": False})  # every block twice
     batch = {"input_ids": torch.randint(0, 256, (1, 16)), "labels": torch.randint(0, 256, (1, 16))}
     poros_fx.stats(model, reset=True)

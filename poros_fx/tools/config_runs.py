@@ -462,9 +462,18 @@ def eager_step(config: TrainingConfig, device: torch.device) -> None:
 
 
 def eager_comparable(config: TrainingConfig) -> bool:
-    """Whether the plain eager loop is a reference too: aten regions and HF's own loss."""
+    """Whether the plain eager loop is a reference too: aten regions and HF's own loss, and not the open
+    difference ``known_eager_difference`` names."""
     options = config.option_dict
-    return options.get("codegen") == "eager" and not options.get("chunked_loss")
+    return options.get("codegen") == "eager" and not options.get("chunked_loss") and not known_eager_difference(config)
+
+
+def known_eager_difference(config: TrainingConfig) -> bool:
+    """Open, found by this generator (docs/exactness.md): the Trainer surfaces with bf16 autocast and LoRA
+    dropout on Qwen3.5 equal ``stream=False`` but not the plain Trainer (lora_A's gradient of a Gated
+    DeltaNet projection, ~1e-9). ``tests/test_drawn_configs.py`` holds it as a strict xfail."""
+    return (config.surface in ("trainer", "sft") and config.autocast and config.dropout > 0
+            and config.shape.family == "qwen3_5_text")
 
 
 def check(config: TrainingConfig, device: str | torch.device = "cpu") -> Outcome:
