@@ -32,9 +32,9 @@ from torch.fx.experimental.symbolic_shapes import guard_or_false
 from .errors import PorosConfigError
 
 ATTENTION_DROPOUT_MESSAGE = (
-    "attention dropout ({dropout}) while training: the SDPA kernel draws its dropout mask inside the kernel "
+    "attention dropout ({key}={dropout}) while training: the SDPA kernel draws its dropout mask inside the kernel "
     "eager's mask decision branches to, and a branch's backward runs it again with fresh numbers, so the "
-    "gradients would not be exact. Set model.config.attention_dropout = 0.0, or load the model with "
+    "gradients would not be exact. Set model.config.{key} = 0.0, or load the model with "
     "attn_implementation='eager' (its attention dropout is an op of its own, replayed exactly)")
 NAME = "poros_sdpa"  # the attention implementation a prepared model's config names
 WRAPS = "sdpa"  # the implementation it stands in for
@@ -60,7 +60,7 @@ def check_no_dropout(config: Any) -> None:
     for key in ATTENTION_DROPOUT_KEYS:
         dropout = getattr(text, key, 0.0) or 0.0
         if dropout:
-            raise PorosConfigError(ATTENTION_DROPOUT_MESSAGE.format(dropout=f"{key}={dropout}"))
+            raise PorosConfigError(ATTENTION_DROPOUT_MESSAGE.format(key=key, dropout=dropout))
 
 
 def use(config: Any) -> Callable[[], None] | None:

@@ -43,7 +43,7 @@ def test_report_validated_nf4():
 def test_report_user_asserted_and_unprepared():
     import peft
 
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, attn_pdrop=0.0)
     model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
                                 peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True))
     with pytest.raises(poros_fx.PorosConfigError, match="not prepared"):
