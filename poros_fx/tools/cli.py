@@ -568,21 +568,28 @@ def exactness(examples: int = typer.Option(40, min=1, help="training configurati
             check_writable(path)
     command = shlex.join(["poros-fx", *sys.argv[1:]])
 
+    env = exactness_sweep.environment(device or "cpu")
+    finished: list[exactness_sweep.Row] = []
+
+    def write(rows: list[exactness_sweep.Row]) -> None:
+        if json_path is not None:
+            exactness_sweep.write_json(json_path, rows, env, command)
+        if md is not None:
+            exactness_sweep.write_markdown(md, rows, env, command)
+
     def show(row: exactness_sweep.Row) -> None:
         console.print(f"{row.status:8} {row.seconds:6.1f} s  {row.drawn}"
                       + (f"\n         {row.detail}" if row.status not in ("equal",) else ""),
                       soft_wrap=True, highlight=False)
+        finished.append(row)
+        write(finished)  # a sweep stopped part-way (a time limit, Ctrl-C) keeps the rows it finished
 
     exactness_sweep.quiet_libraries()
     if shrink:
         rows = exactness_sweep.sweep(examples, device or "cpu", seed, shrink=True, progress=show)
     else:
         rows = exactness_sweep.parallel_sweep(examples, device or "cpu", seed, workers, progress=show)
-    env = exactness_sweep.environment(device or "cpu")
-    if json_path is not None:
-        exactness_sweep.write_json(json_path, rows, env, command)
-    if md is not None:
-        exactness_sweep.write_markdown(md, rows, env, command)
+    write(rows)
     c = exactness_sweep.counts(rows)
     console.print(f"{len(rows)} examples: {c['equal']} equal, {c['refused']} refused, {c['differs']} differ, "
                   f"{c['crashed']} crashed", highlight=False)
