@@ -43,21 +43,27 @@ class PorosTrainer(transformers.Trainer):
     """``transformers.Trainer`` with the model's forward compiled by the ``poros`` backend.
 
     ``poros_options``: the backend's ``options`` (``block_size``, ``prefetch``, ``stream``, ``dump``,
-    ``codegen``, ``memory_budget``, ``chunked_loss``, ``offload_boundaries``, ``save_activations``, ``cuda_graphs``)
-    plus ``device``, the compute device for ``poros_fx.prepare`` (default: ``args.device``). A model
+    ``codegen``, ``memory_budget``, ``chunked_loss``, ``offload_boundaries``, ``save_activations``, ``cuda_graphs``,
+    ``least_memory``) plus ``device``, the compute device for ``poros_fx.prepare`` (default: ``args.device``). A model
     that is not prepared yet is prepared with ``device``, ``block_size`` and ``prefetch`` (default 1
     and ``"auto"``); a prepared one keeps its store, and ``block_size`` / ``prefetch`` here regroup the
     compiled graph only. Under ``torchrun`` / ``accelerate launch`` (``args.world_size > 1``) the host store
     goes on DDP's ignore list before the Trainer wraps the model, the compiled wrapper is the Trainer's
     ``DistributedDataParallel`` module, and its forward runs with Dynamo's DDPOptimizer off
     (docs/distributed.md); load the model after ``TrainingArguments`` (which starts torch.distributed) for
-    one shared host copy of the base per host. One device per process.
+    one shared host copy of the base per host. One device per process. Unless ``memory_budget`` or
+    ``least_memory`` is given (or the model was prepared with a budget), the budget is ``"auto"``: the
+    blocks that fit in what the device has free stay resident (``runtime/budget.py``).
     """
 
     def __init__(self, *args: Any, poros_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         options = dict(poros_options or {})
         device = options.pop("device", None)
         PorosOptions.from_dict(options)  # bad options raise here, not at the first step
+        model = kwargs.get("model", args[0] if args else None)
+        if "memory_budget" not in options and not options.get("least_memory") and \
+                getattr(get_store(model), "budget_request", None) is None:
+            options["memory_budget"] = AUTO  # a trainer keeps what fits on the device (prepare's budget wins)
         # set before Trainer.__init__: it calls _move_model_to_device, which prepares the model
         self.poros_options: dict[str, Any] = options
         self.poros_device: str | torch.device | None = device

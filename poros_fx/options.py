@@ -26,6 +26,12 @@ def check_block_options(block_size: Any, prefetch: Any) -> None:
                                f"'auto' (measured), got {prefetch!r}")
 
 
+def check_budget_option(value: Any) -> None:
+    """A ``memory_budget``: bytes, a size string, ``"auto"`` or ``None``."""
+    if value != AUTO:
+        parse_size(value)
+
+
 def parse_prefetch(text: str) -> int | str:
     """A command line's ``--prefetch``: ``auto`` or an integer >= 0."""
     try:
@@ -80,6 +86,11 @@ def device_problem(text: str) -> str | None:
     return None
 
 
+# what least_memory leaves each of these options at (values a user may also give)
+LEAST_MEMORY_OFF: dict[str, tuple[Any, ...]] = {"cuda_graphs": (None, False), "memory_budget": (None,),
+                                                "save_activations": (0,)}
+
+
 @dataclasses.dataclass(frozen=True)
 class PorosOptions:
     block_size: int | None = None  # None: what prepare() was given
@@ -91,7 +102,9 @@ class PorosOptions:
     # a training forward's last blocks stay for the backward, a backward's for the next forward (False: evict
     # and reload)
     turnaround: bool = True
-    memory_budget: int | str | None = None  # device bytes the step may use ("24GB"); None: what prepare() was given
+    # device bytes the step may use ("24GB", or "auto": what the device has free at the first step, less a
+    # margin: runtime/budget.py); None: what prepare() was given
+    memory_budget: int | str | None = None
     block_major: bool | None = None  # an accumulation step's micro-batches go through each block together
     # (runtime/accumulate.py); None: what prepare() was given (default True)
     chunked_loss: bool | None = None  # head + loss in vocabulary chunks (loss.py); None: what the model has
@@ -101,8 +114,12 @@ class PorosOptions:
     # None: what prepare() was given (default False)
     save_activations: int = 0  # the last N decoder-layer blocks keep their activations for the backward
     # instead of recomputing them (passes/recompute.py); their base is still reloaded for the backward
-    cuda_graphs: bool = False  # region calls captured in CUDA graphs and replayed (runtime/cuda_graphs.py);
-    # CUDA only
+    # region calls captured in CUDA graphs and replayed (runtime/cuda_graphs.py); None: on where the step
+    # computes on CUDA and graphs keep the guarantee (cuda_graphs_choice)
+    cuda_graphs: bool | None = None
+    # the plan that holds the least device memory: every block streams every step, no CUDA graphs (their
+    # pool and load slots), nothing saved instead of recomputed
+    least_memory: bool = False
 
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> "PorosOptions":
@@ -115,16 +132,47 @@ class PorosOptions:
         check_block_options(1 if opts.block_size is None else opts.block_size,
                             0 if opts.prefetch is None else opts.prefetch)
         check_codegen(opts.codegen)
-        parse_size(opts.memory_budget)
-        for name in ("stream", "group_copies", "turnaround", "cuda_graphs"):
+        check_budget_option(opts.memory_budget)
+        for name in ("stream", "group_copies", "turnaround", "least_memory"):
             if not isinstance(getattr(opts, name), bool):
                 raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")
-        for name in ("block_major", "chunked_loss", "offload_boundaries"):
+        for name in ("block_major", "chunked_loss", "offload_boundaries", "cuda_graphs"):
             if getattr(opts, name) is not None and not isinstance(getattr(opts, name), bool):
                 raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")
         if isinstance(opts.save_activations, bool) or not isinstance(opts.save_activations, int) or opts.save_activations < 0:
             raise PorosConfigError(f"save_activations must be an integer >= 0 (the last N decoder-layer blocks keep "
                                    f"their activations instead of recomputing them), got {opts.save_activations!r}")
+        if opts.least_memory:
+            asked = [f"{name}={getattr(opts, name)!r}" for name, off in LEAST_MEMORY_OFF.items()
+                     if getattr(opts, name) not in off]
+            if asked:
+                raise PorosConfigError(f"least_memory=True streams every block with no CUDA graphs and nothing saved; "
+                                       f"it cannot be combined with {', '.join(asked)}: drop one of them")
         if opts.dump is None and os.environ.get(DUMP_ENV):
             opts = dataclasses.replace(opts, dump=os.environ[DUMP_ENV])
         return opts
+
+
+def cuda_graphs_choice(opts: PorosOptions, device: torch.device, offload_boundaries: bool) -> tuple[bool, str]:
+    """Whether a step's region calls replay from CUDA graphs, and why, in a few words. Asked for where they
+    cannot run, ``PorosConfigError``; left to the default, they are on where the step computes on CUDA and
+    off where they could not keep the guarantee, with the reason."""
+    if opts.cuda_graphs:
+        if device.type != "cuda":
+            raise PorosConfigError(f"options={{'cuda_graphs': True}} captures CUDA kernels; this model computes on "
+                                   f"{device}. Leave the option out on the CPU")
+        if offload_boundaries and opts.stream:
+            raise PorosConfigError("options={'cuda_graphs': True} cannot be combined with offload_boundaries (the copy "
+                                   "stream reads the saved activations after the step's run, where a replay may "
+                                   "write); use one of the two")
+        return True, "on (options={'cuda_graphs': True})"
+    if opts.cuda_graphs is False:
+        return False, "off (options={'cuda_graphs': False})"
+    if opts.least_memory:
+        return False, "off (least_memory: their pool and load slots cost device memory)"
+    if device.type != "cuda":
+        return False, f"off (CUDA only; this step computes on {device})"
+    if offload_boundaries and opts.stream:
+        return False, ("off by default with offload_boundaries (the copy stream reads the saved activations after "
+                       "a graph's run, where a replay may write)")
+    return True, "on by default on CUDA (options={'cuda_graphs': False} or least_memory turns them off)"

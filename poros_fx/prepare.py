@@ -35,11 +35,11 @@ from .families import Family, layer_list, resolve
 from .handles import ENTRY_ATTR, STORE_ATTR, causal_lm, check_no_checkpointing, get_store, unwrap
 from .host_modules import (QS_BUFFERS, gathers_here, head_rows, is_linear4bit, poros_class, quant_state_tensors, restore_class,
                            set_quant_state)
-from .options import AUTO, check_block_options, check_codegen, default_codegen, resolve_device
+from .options import AUTO, check_block_options, check_budget_option, check_codegen, default_codegen, resolve_device
 from .report import report
 from .runtime.arena import HostArena, aligned
+from .runtime.budget import resolve_budget
 from .runtime.store import HostEntry, HostStore
-from .units import parse_size
 
 logger = logging.getLogger("poros_fx")
 
@@ -107,9 +107,10 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     ``regions``: each decoder layer becomes one compiled region under ``torch.compile``, traced once per
     distinct layer structure (``compiler/regions.py``); ``False`` traces every layer into the step's
     graph (the path before regions, for an architecture the region tracer cannot take).
-    ``memory_budget``: device bytes the step may use (``"24GB"``, or an int); the first step streams
-    everything and measures its peak, then the blocks that fit in the rest stay resident (loaded once,
-    never reloaded; ``runtime/budget.py``). ``None``: stream every block, every step.
+    ``memory_budget``: device bytes the step may use (``"24GB"``, or an int; ``"auto"``: what the device
+    has free now, less a margin, ``runtime/budget.resolve_budget``); the first step streams everything
+    and measures its peak, then the blocks that fit in the rest stay resident (loaded once, never
+    reloaded; ``runtime/budget.py``). ``None``: stream every block, every step.
     ``block_major``: gradient accumulation inside ``poros_fx.block_major`` (``@poros_fx.step(accumulate=N)``,
     ``PorosTrainer``, ``poros-fx train --accumulate``) runs each block for all micro-batches of the step
     while it is loaded (``runtime/accumulate.py``); ``False``: micro-batch after micro-batch.
@@ -123,7 +124,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
                         ("offload_boundaries", offload_boundaries)):
         if not isinstance(value, bool):
             raise PorosConfigError(f"{name} must be True or False, got {value!r}")
-    budget = parse_size(memory_budget)
+    check_budget_option(memory_budget)
     codegen = check_codegen(codegen)
     device = resolve_device(device)
     if hasattr(model, "_orig_mod"):
@@ -150,9 +151,11 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
     _place_on_device(model, device)  # after every check above: a refused model is left where it was
 
     names = block_names(len(layers), block_size)
+    budget, budget_source = resolve_budget(memory_budget, device)
     store = HostStore(device=device, block_size=block_size, prefetch=prefetch, family=fam, block_names=names,
                       codegen=codegen or default_codegen(device), memory_budget=budget, block_major=block_major,
-                      offload_boundaries=offload_boundaries)
+                      offload_boundaries=offload_boundaries, budget_request=memory_budget,
+                      budget_source=budget_source)
     block_of = module_blocks(fam, len(layers), block_size)
     attention_undo = attention.use(config)  # SDPA as eager calls it, also under torch.compile
     if attention_undo is not None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from .errors import PorosConfigError
 from .handles import causal_lm, get_store, unwrap
+from .options import PorosOptions, cuda_graphs_choice
 from .runtime.budget import describe as describe_budget
 from .units import format_bytes
 
@@ -69,6 +70,15 @@ def _layers(store) -> str:
             f"{len(store.regions.regions)} traced so far)")
 
 
+def _graphs(store) -> str:
+    """Whether region calls replay from CUDA graphs: the last compiled step's choice, or before any the
+    default for this store."""
+    if store.schedules:
+        return store.schedules[-1].graphs_note
+    on, note = cuda_graphs_choice(PorosOptions(), store.device, store.offload_boundaries)
+    return note + " (the step's options may say otherwise)"
+
+
 def report(model: nn.Module) -> str:
     """A short plain-text report of a prepared model: type, family status, adapter, precision, blocks,
     host bytes and the guarantee that applies."""
@@ -93,6 +103,7 @@ def report(model: nn.Module) -> str:
         ("ends", _ends(store)),
         ("layers", _layers(store)),
         ("memory", describe_budget(store)),
+        ("cuda graphs", _graphs(store)),
         ("guarantee", guarantee),
     ]
     width = max(len(k) for k, _ in rows)

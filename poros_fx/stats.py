@@ -32,7 +32,9 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     ``memory_budget`` (bytes or ``None``) and ``residency_plan`` (``None`` until the first step of a model
     with a budget; then the blocks kept resident, their bytes, the measured streamed peak, the predicted
     peak and the base bytes copied per micro-batch with and without the plan; ``runtime/budget.py``),
-    ``cuda_graphs`` (``None`` unless ``options={"cuda_graphs": True}``; then the region calls captured, replayed,
+    ``cuda_graphs_choice`` (whether the last compiled step replays its region calls from CUDA graphs, and why:
+    ``options.cuda_graphs_choice``), ``budget_source`` (how ``memory_budget="auto"`` became bytes, or why it is
+    none), ``cuda_graphs`` (``None`` unless the step uses CUDA graphs; then the region calls captured, replayed,
     run uncaptured while warming up or beyond the chains kept, or fallen back from a recorded graph, the input
     bytes copied into graphs, the pool tensors copied out, the chains recorded again because what they read in
     place had moved (``rerecorded``), the pool's bytes, and ``load_slots``: the fixed
@@ -59,6 +61,8 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
                          "compile_s": {k: round(v, 3) for k, v in r.compile_seconds.items()}}
                         for r in (store.regions.regions if store.regions is not None else [])],
                cuda_graphs=store.region_graphs.as_dict() if store.region_graphs is not None else None,
+               cuda_graphs_choice=store.schedules[-1].graphs_note if store.schedules else None,
+               budget_source=store.budget_source,
                compile=_compile_seconds(store))
     if reset:
         ledger.reset()

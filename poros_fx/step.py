@@ -68,13 +68,13 @@ class PorosStep(Generic[P, R]):
                  codegen: str | None = None, device: str | torch.device | None = None,
                  memory_budget: int | str | None = None, block_major: bool | None = None,
                  chunked_loss: bool | None = None, offload_boundaries: bool | None = None,
-                 save_activations: int | None = None, cuda_graphs: bool | None = None) -> None:
+                 save_activations: int | None = None, cuda_graphs: bool | None = None, least_memory: bool | None = None) -> None:
         if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
             raise PorosConfigError(f"accumulate must be an integer >= 1 (micro-batches per call), got {accumulate!r}")
         given = {"block_size": block_size, "prefetch": prefetch, "dump": dump, "codegen": codegen,
                  "memory_budget": memory_budget, "block_major": block_major, "chunked_loss": chunked_loss,
                  "offload_boundaries": offload_boundaries, "save_activations": save_activations,
-                 "cuda_graphs": cuda_graphs}
+                 "cuda_graphs": cuda_graphs, "least_memory": least_memory}
         options: dict[str, Any] = {"stream": stream, **{k: v for k, v in given.items() if v is not None}}
         PorosOptions.from_dict(options)  # bad options raise here, at decoration, not at the first step
         functools.update_wrapper(self, fn)
@@ -235,7 +235,7 @@ def step(*, accumulate: int | None = None, block_size: int | None = None, prefet
          block_major: bool | None = None, chunked_loss: bool | None = None,
          offload_boundaries: bool | None = None,
          save_activations: int | None = None,
-         cuda_graphs: bool | None = None) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
+         cuda_graphs: bool | None = None, least_memory: bool | None = None) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
 
 
 def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, block_size: int | None = None,
@@ -244,7 +244,7 @@ def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, 
          block_major: bool | None = None, chunked_loss: bool | None = None,
          offload_boundaries: bool | None = None,
          save_activations: int | None = None,
-         cuda_graphs: bool | None = None) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
+         cuda_graphs: bool | None = None, least_memory: bool | None = None) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
     """Decorate a training-step function so its model arguments are streamed by poros.
 
     ``@step`` or ``@step(accumulate=N, block_size=..., prefetch=..., stream=..., dump=..., codegen=...,
@@ -254,7 +254,8 @@ def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, 
     model before it is traced: ``poros_fx/loss.py``) and ``offload_boundaries`` (saved block outputs in host
     memory: ``passes/offload.py``) and ``save_activations`` (the last N layer blocks keep their activations
     instead of recomputing them: ``passes/recompute.py``) and ``cuda_graphs`` (region calls replayed from CUDA
-    graphs: ``runtime/cuda_graphs.py``; CUDA only, not in block-major steps) are the backend's ``options``;
+    graphs: ``runtime/cuda_graphs.py``; on by default on CUDA, not in block-major steps) and ``least_memory``
+    (every block streamed, no graphs: the least device memory) are the backend's ``options``;
     ``device`` (and
     ``block_size`` / ``prefetch``) go to ``poros_fx.prepare`` for a model that is not prepared yet
     (unset: prepare's defaults, ``block_size=1``, ``prefetch="auto"``).
@@ -281,7 +282,7 @@ def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, 
         return PorosStep(f, accumulate=accumulate, block_size=block_size, prefetch=prefetch, stream=stream,
                          dump=dump, codegen=codegen, device=device, memory_budget=memory_budget,
                          block_major=block_major, chunked_loss=chunked_loss, offload_boundaries=offload_boundaries,
-                         save_activations=save_activations, cuda_graphs=cuda_graphs)
+                         save_activations=save_activations, cuda_graphs=cuda_graphs, least_memory=least_memory)
 
     if fn is not None:
         if not callable(fn):

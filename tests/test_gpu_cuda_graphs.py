@@ -68,7 +68,7 @@ def test_gpu_cuda_graphs_equal(nf4, codegen, deterministic):
     resident, resident_counters = _run({"cuda_graphs": True, "stream": False}, batches, nf4=nf4, codegen=codegen)
     assert resident_counters["replays"] > 0, resident_counters
     assert compare(graphed, resident) == EQUAL, format_diffs("graphs vs stream=False + graphs", compare(graphed, resident))
-    plain, _ = _run({}, batches, nf4=nf4, codegen=codegen)
+    plain, _ = _run({"cuda_graphs": False}, batches, nf4=nf4, codegen=codegen)
     assert compare(graphed, plain) == EQUAL, format_diffs("graphs vs no graphs", compare(graphed, plain))
     if codegen == "eager":
         eager, _ = _run(None, batches, nf4=nf4, codegen=codegen)
@@ -91,7 +91,7 @@ def test_gpu_cuda_graphs_mode_toggles(deterministic):
         return out, poros_fx.stats(model)["cuda_graphs"]
 
     graphed, counters = toggles({"cuda_graphs": True})
-    plain, _ = toggles({})
+    plain, _ = toggles({"cuda_graphs": False})
     assert counters["replays"] > 0 and counters["fallbacks"] == 0, counters
     assert len(graphed) == len(plain)
     for i, (a, b) in enumerate(zip(graphed, plain)):

@@ -9,6 +9,7 @@ block; the default partition with ``stream=False``), and the forward and backwar
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -31,12 +32,12 @@ from ..passes.rng import PHASE
 
 from ..errors import PorosConfigError
 from ..handles import CHECKPOINTING_MESSAGE, ENTRY_ATTR
-from ..options import AUTO, PorosOptions
+from ..options import AUTO, PorosOptions, cuda_graphs_choice
+from ..runtime.budget import resolve_budget
 from ..runtime.cuda_graphs import RegionGraphs
 from ..runtime.depth import choose_prefetch
 from ..runtime.executor import GraphRuntime
 from ..runtime.store import HostStore
-from ..units import parse_size
 from .ddp import check_ddp_optimizer
 from .dump import Dumper
 from .graph_metadata import forget_module_classes
@@ -172,16 +173,18 @@ def _reused_by_forward(schedule: Schedule) -> frozenset[int]:
     return frozenset(range(1, min(1 + window, len(schedule.blocks) - 1)))
 
 
-def _check_cuda_graphs(schedule: Schedule) -> None:
-    """``options={"cuda_graphs": True}`` needs a CUDA device, and a step whose saved tensors no copy stream
-    reads after the graph's run (``offload_boundaries`` copies them to the host on the copy stream)."""
-    if schedule.device.type != "cuda":
-        raise PorosConfigError(f"options={{'cuda_graphs': True}} captures CUDA kernels; this model computes on "
-                               f"{schedule.device}. Leave the option out on the CPU")
-    if schedule.offload_boundaries and schedule.stream:
-        raise PorosConfigError("options={'cuda_graphs': True} cannot be combined with offload_boundaries (the copy "
-                               "stream reads the saved activations after the step's run, where a replay may write); "
-                               "use one of the two")
+def _set_budget(store: Any, request: int | str | None, least_memory: bool) -> None:
+    """The budget the options ask for wins over prepare's (``least_memory``: none); a new request plans
+    anew. ``"auto"`` is resolved once, at the first graph that asks for it (``runtime/budget.py``)."""
+    if request is None and not least_memory:
+        return
+    if request == store.budget_request:
+        return
+    budget, source = resolve_budget(request, store.device)
+    if budget != store.memory_budget:
+        store.forget_plan()
+        store.memory_budget = budget
+    store.budget_request, store.budget_source = request, source
 
 
 def _check_no_checkpointing(gm: fx.GraphModule) -> None:
@@ -204,13 +207,20 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         warnings.warn(UNPREPARED_WARNING, stacklevel=2)
     dumper = Dumper(opts.dump)
     requested = opts.prefetch if opts.prefetch is not None else (store.prefetch if store else 1)
+    device = store.device if store else torch.device("cpu")
+    offload_boundaries = (opts.offload_boundaries if opts.offload_boundaries is not None
+                          else bool(store and store.offload_boundaries))
+    graphs, graphs_note = cuda_graphs_choice(opts, device, offload_boundaries)
+    if store is not None:
+        _set_budget(store, None if opts.least_memory else opts.memory_budget, opts.least_memory)
     # on CUDA only: on the CPU a load is a synchronous copy, and a deeper window only raises the peak
-    budgeted = (store is not None and store.device.type == "cuda"
-                and (opts.memory_budget is not None or store.memory_budget is not None))
+    budgeted = store is not None and store.device.type == "cuda" and store.memory_budget is not None
     schedule = Schedule(
         graph_id=dumper.folder.name if dumper.folder else hex(id(gm)),
-        options=opts,
-        device=store.device if store else torch.device("cpu"),
+        options=dataclasses.replace(opts, cuda_graphs=graphs),
+        graphs_note=graphs_note,
+        graphs_asked=opts.cuda_graphs is True,
+        device=device,
         block_size=opts.block_size or (store.block_size if store else 1),
         # "auto": the forward loads one block ahead; two under a memory budget, whose kept blocks sit
         # between streamed ones (runtime/budget.py): one ahead, the load after a kept block would wait
@@ -220,21 +230,16 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         auto_prefetch=requested == AUTO and opts.stream,
         layer_attr=store.family.layer_attr if store else "layers",
         codegen=opts.codegen or (store.codegen if store else "eager"),
-        offload_boundaries=(opts.offload_boundaries if opts.offload_boundaries is not None
-                            else bool(store and store.offload_boundaries)),
+        offload_boundaries=offload_boundaries,
         store_ref=weakref.ref(store) if store is not None else None,
         dumper=dumper if dumper.enabled else None,
         region_passes=REGION_PASSES,
     )
     if store is not None:
-        if opts.memory_budget is not None:  # the option wins over prepare's; a new budget plans anew
-            budget = parse_size(opts.memory_budget)
-            if budget != store.memory_budget:
-                store.forget_plan()
-                store.memory_budget = budget
         _check_chunked_loss(opts, store)
-        if opts.cuda_graphs:
-            _check_cuda_graphs(schedule)
+        if device.type == "cuda" and opts.cuda_graphs is None and not opts.least_memory and not graphs:
+            warnings.warn(f"poros: CUDA graphs {graphs_note}", stacklevel=2)  # the default fell back
+        if graphs:
             if store.region_graphs is None:
                 store.region_graphs = RegionGraphs(store.device)
         if schedule.offload_boundaries and schedule.stream and schedule.device.type == "cuda":

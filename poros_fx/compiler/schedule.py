@@ -80,12 +80,14 @@ class RegionUse:
 @dataclasses.dataclass
 class Schedule:
     graph_id: str
-    options: PorosOptions
+    options: PorosOptions  # as the step runs them: cuda_graphs resolved (options.cuda_graphs_choice)
     device: torch.device
     block_size: int
     prefetch: int
     stream: bool
     layer_attr: str = "layers"
+    graphs_note: str = ""  # whether region calls replay from CUDA graphs, and why (options.cuda_graphs_choice)
+    graphs_asked: bool = False  # options={"cuda_graphs": True} (not the default)
     reused_by_backward: frozenset = frozenset()  # blocks whose forward copies the backward takes over (no evict, no reload)
     reused_by_forward: frozenset = frozenset()  # blocks whose backward copies the next forward takes over
     layers_from_loads: bool = False  # module paths named no layer (a graph break inside one): placed by loads

@@ -35,11 +35,11 @@ from torch import nn
 
 from ..errors import PorosConfigError
 from ..families import Family, resolve
-from ..options import AUTO, check_block_options, check_codegen, resolve_device
+from ..options import AUTO, check_block_options, check_budget_option, check_codegen, resolve_device
 from ..prepare import prepare, unwrap
 from ..runtime.arena import HostArena, nbytes
 from ..runtime.share import HostShare, wants_share
-from ..units import itemsize, parse_size
+from ..units import itemsize
 from . import manifest
 from .checkpoint import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, INDEX_FILE, SINGLE_FILE, CheckpointReader, Fetch, LoaderError,
                          TensorSpec, check_adapter, read_checkpoint_index, read_config, read_safetensors_header,
@@ -109,7 +109,7 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
     """
     started = time.perf_counter()
     adapter_dir = _check_args(quantization, lora, block_size, prefetch, codegen, adapter, trainable, share)
-    parse_size(memory_budget)  # before a byte is read
+    check_budget_option(memory_budget)  # before a byte is read
     compute = resolve_device(device)
     folder = resolve_folder(name_or_path, revision=revision, cache_dir=cache_dir)
     config = read_config(folder)
@@ -159,7 +159,7 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
     """
     started = time.perf_counter()
     adapter_dir = _check_args(quantization, lora, block_size, prefetch, codegen, adapter, trainable, share)
-    parse_size(memory_budget)  # before a byte is read
+    check_budget_option(memory_budget)  # before a byte is read
     compute = resolve_device(device)
     if not is_config(config):
         config = read_config(resolve_folder(config))

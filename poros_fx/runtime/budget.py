@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..errors import PorosOOMError
+from ..options import AUTO as AUTO_BUDGET
 from ..units import decimal_bytes, parse_size  # noqa: F401  (parse_size: the budget's parser, also imported from here)
 from .arena import nbytes
 from .store import cache_key
@@ -56,6 +57,27 @@ class ResidencyPlan:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+AUTO_MARGIN_FRACTION = 20  # "auto" leaves 1/20 of the device's memory (at least AUTO_MARGIN_MIN) unused
+AUTO_MARGIN_MIN = 1 << 30
+
+
+def resolve_budget(value: int | str | None, device: torch.device) -> tuple[int | None, str | None]:
+    """A ``memory_budget`` as bytes, and for ``"auto"`` how it was found: on CUDA what the device has free
+    now plus what torch's allocator already holds there, less a margin (1/20 of the device, at least
+    1 GiB: fragmentation, other libraries' workspaces); on the CPU no budget (a budget plans device memory,
+    and the CPU's is the host's)."""
+    if value != AUTO_BUDGET:
+        return parse_size(value), None
+    if device.type != "cuda":
+        return None, f"memory_budget 'auto' on {device}: no budget (every block streams every step)"
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)
+    margin = max(AUTO_MARGIN_MIN, total // AUTO_MARGIN_FRACTION)
+    budget = max(free + held - margin, 1)
+    return budget, (f"auto: {decimal_bytes(free)} free on {device} + {decimal_bytes(held)} held by torch, "
+                    f"less a margin of {decimal_bytes(margin)}")
 
 
 def plan(store: Any, budget: int, streamed_peak: int, measured_on: str, transient: int | None = None) -> ResidencyPlan:
@@ -127,12 +149,13 @@ def estimate(sizes: list[int], names: list[str], budget: int, streamed_peak: int
 def describe(store: Any) -> str:
     """The budget and, after the first step, its plan, in one line (``poros_fx.report``, the dumps)."""
     if store.memory_budget is None:
-        return "no budget: every block streams every step"
+        return store.budget_source or "no budget: every block streams every step"
+    source = f" ({store.budget_source})" if store.budget_source else ""
     p = store.plan
     if p is None:
-        return f"budget {decimal_bytes(store.memory_budget)}: planned after the first (fully streamed) step"
+        return f"budget {decimal_bytes(store.memory_budget)}{source}: planned after the first (fully streamed) step"
     kept = ", ".join(p.resident_blocks) or "none"
-    return (f"budget {decimal_bytes(p.budget)}: streamed peak {decimal_bytes(p.streamed_peak)} (the first step's, measured), resident "
+    return (f"budget {decimal_bytes(p.budget)}{source}: streamed peak {decimal_bytes(p.streamed_peak)} (the first step's, measured), resident "
             f"{kept} ({decimal_bytes(p.resident_bytes)}), predicted peak {decimal_bytes(p.predicted_peak)}, base copied per forward + "
             f"backward {decimal_bytes(p.streamed_bytes_per_step)} (was {decimal_bytes(p.streamed_bytes_per_step_before)}; once per "
             "micro-batch, or once per optimizer step when its micro-batches run block-major)"
@@ -233,6 +256,11 @@ def measure_and_plan(store: Any) -> None:
     if store.memory_budget is None:
         return
     peak, how = _step_peak(store)
+    if store.budget_measuring and store.budget_request == AUTO_BUDGET and store.memory_budget < peak:
+        # "auto" never refuses a step that ran: it keeps nothing and says so
+        store.budget_source = (f"{store.budget_source}; {decimal_bytes(store.memory_budget)} is below the streamed "
+                               f"step's measured peak, so nothing is kept")
+        store.memory_budget = peak
     if store.budget_measuring:
         store.plan = plan(store, store.memory_budget, peak, how, transient=peak - store.budget_start)
         store.plan.measured_size = store.budget_size
@@ -276,6 +304,11 @@ def fit(store: Any) -> None:
         return
     given = _keep_within(store, p, p.budget - baseline - p.transient)
     p.predicted_peak = baseline + p.transient + p.resident_bytes
+    if p.predicted_peak > p.budget and store.budget_request == AUTO_BUDGET:
+        p.adjustments.append(f"after forward run {store.ledger.forward_runs}: {decimal_bytes(baseline)} stays allocated "
+                             f"between steps; nothing is kept and the budget 'auto' follows the step "
+                             f"({decimal_bytes(p.predicted_peak)})")
+        p.budget = store.memory_budget = p.predicted_peak
     if p.predicted_peak > p.budget:
         smallest = baseline + p.transient
         raise PorosOOMError(f"memory_budget {decimal_bytes(p.budget)} no longer holds the streamed step: {decimal_bytes(baseline)} stays "

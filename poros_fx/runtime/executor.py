@@ -394,7 +394,7 @@ class GraphRuntime:
                 return self._run(lambda: compiled(args))
             step = self.store.accumulation
             if step is not None and self.block_major:
-                if self.cuda_graphs and self.store.region_graphs is not None:
+                if self.cuda_graphs and self.store.region_graphs is not None and self.schedule.graphs_asked:
                     self.store.region_graphs.warn_once(
                         "block_major", "block-major accumulation steps run their region calls without CUDA graphs "
                         "(several micro-batches' calls interleave); options={'block_major': False} replays them")

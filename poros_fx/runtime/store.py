@@ -85,6 +85,8 @@ class HostStore:
     codegen: str = "eager"  # how compiled regions run: "inductor" | "eager" (prepare's codegen)
     regions: Any = None  # compiler.regions.RegionTable of the decoder layers (None: layers traced inline)
     memory_budget: int | None = None  # bytes the step may use on the device (runtime/budget.py); None: stream all
+    budget_request: int | str | None = None  # what was asked for ("24GB", "auto"): a new request plans anew
+    budget_source: str | None = None  # how "auto" became memory_budget (runtime/budget.resolve_budget)
     budget_measuring: bool = False  # the first step (fully streamed) is measuring its peak for the plan
     budget_start: int = 0  # bytes allocated when the step in flight started, less its loads' (runtime/budget.py)
     budget_size: int = 0  # input elements of the step being measured

@@ -37,7 +37,7 @@ from ..handles import get_store
 from ..io.export import export_merged
 from ..io.loader import from_config as random_model, load_pretrained
 from ..io.sizes import block_bytes
-from ..options import AUTO, device_problem, parse_prefetch
+from ..options import AUTO, check_budget_option, device_problem, parse_prefetch
 from ..loss import loss_chunk_count
 from ..prepare import head_chunk_count
 from ..runtime.arena import shm_dir, shm_free_bytes
@@ -69,7 +69,7 @@ def _prefetch(value: str) -> int | str:
 
 def _memory_budget(value: Optional[str]) -> Optional[str]:
     try:
-        parse_size(value)
+        check_budget_option(value)
     except PorosConfigError as e:
         raise typer.BadParameter(str(e)) from None
     return value
@@ -253,6 +253,10 @@ def _check_step(config, family, names: list[str], sizes: list[int], window: int,
                   "a memory budget plans from the first step's measured peak)", soft_wrap=True, highlight=False)
     if memory_budget is None:
         return
+    if memory_budget == AUTO:
+        console.print("memory budget auto: what the training device has free at the first step, less a margin; give "
+                      "--memory-budget SIZE to see the plan a budget would make", soft_wrap=True, highlight=False)
+        return
     budget = parse_size(memory_budget)
     kept, kept_bytes, copied = estimate(sizes, names, budget, est.total)
     before = 2 * sum(sizes)
@@ -372,9 +376,10 @@ def train(ctx: typer.Context,
           accumulate: int = typer.Option(1, min=1, help="micro-batches per optimizer step"),
           block_size: int = typer.Option(1, min=1), prefetch: str = PREFETCH_OPTION,
           codegen: Optional[str] = CODEGEN_OPTION, device: Optional[str] = DEVICE_OPTION,
-          memory_budget: Optional[str] = typer.Option(None, "--memory-budget", callback=_memory_budget,
-                                                      help="device memory the step may use, e.g. 24GB: after the "
-                                                      "first step the blocks that fit stay resident"),
+          memory_budget: Optional[str] = typer.Option(AUTO, "--memory-budget", callback=_memory_budget,
+                                                      help="device memory the step may use, e.g. 24GB, or auto (what "
+                                                      "the device has free, less a margin): after the first step "
+                                                      "the blocks that fit stay resident"),
           block_major: bool = typer.Option(True, help="with --accumulate N, run each block for all N micro-batches "
                                            "while it is loaded (--no-block-major: one micro-batch after the other; "
                                            "the result is the same bits)"),
@@ -385,9 +390,13 @@ def train(ctx: typer.Context,
           save_activations: int = typer.Option(0, min=0, metavar="N", help="the last N decoder-layer blocks keep their "
                                                "activations for the backward instead of recomputing them (memory for "
                                                "time; the same bits)"),
-          cuda_graphs: bool = typer.Option(False, help="replay each decoder layer's kernels from CUDA graphs (CUDA only: "
-                                           "fewer host launches, the same bits, a graph memory pool on top; with "
-                                           "--accumulate N it needs --no-block-major)"),
+          cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
+                                                     help="replay each decoder layer's kernels from CUDA graphs (fewer "
+                                                     "host launches, the same bits, a graph memory pool on top; with "
+                                                     "--accumulate N it needs --no-block-major). Default: on with CUDA, "
+                                                     "except with --offload-boundaries"),
+          least_memory: bool = typer.Option(False, help="the plan that holds the least device memory: every block "
+                                            "streams every step, no CUDA graphs (--memory-budget auto gives way)"),
           seed: int = typer.Option(0, help="seeds the LoRA init, dropout, data order (and --from-config weights)"),
           metrics: bool = typer.Option(True, help="write OUT/metrics.jsonl (and TensorBoard events when tensorboard is "
                                        "installed)"),
@@ -433,7 +442,7 @@ _OPTION_NAMES = ("model", "from_config", "data", "out", "quantization", "lora_r"
                  "accumulate", "block_size", "prefetch", "codegen", "device", "seed", "log_every", "save_every",
                  "memory_budget", "block_major", "warmup_steps", "schedule", "max_grad_norm", "eval_data", "eval_every",
                  "save_total_limit", "train_on", "split", "metrics", "chunked_loss", "offload_boundaries",
-                 "save_activations", "cuda_graphs")
+                 "save_activations", "cuda_graphs", "least_memory")
 
 
 # -- eval -------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import transformers
 from torch import nn
 
 from ..errors import PorosError
+from ..options import AUTO
 from ..prepare import prepare
 from ..runtime.accumulate import block_major
 from ..step import step as poros_step
@@ -182,7 +183,9 @@ def poros_options(config: TrainingConfig, mode: str, base_bytes: int) -> dict[st
     """The drawn options as the surfaces take them: the memory budget a multiple of the base's bytes."""
     options = {**config.option_dict, "stream": mode == "streamed", "block_major": config.block_major}
     budget = options.pop("memory_budget", None)
-    if budget is not None:
+    if budget == AUTO:
+        options["memory_budget"] = AUTO
+    elif budget is not None:
         options["memory_budget"] = max(1, int(base_bytes * {"tiny": 0.25, "some": 0.8, "all": 3.0}[budget]))
     return options
 

@@ -74,9 +74,12 @@ def sweep(examples: int, device: str, seed: int, *, worker: int = 0, shrink: boo
 def quiet_libraries() -> None:
     """No progress bars or info lines from datasets and transformers in this process: the rows are the
     sweep's output."""
+    import warnings
+
     import transformers
 
     transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")  # deprecations per Trainer
     try:
         import datasets  # the trl extra (the SFT surface)
     except ImportError:

@@ -35,7 +35,7 @@ _STATE_VERSION = 1
 # what a resumed run may change: none touches a bit of the result (the data order does not depend on the
 # step count, streaming is exact whatever the block size and prefetch, evaluation draws no random numbers)
 RESUMABLE = ("steps", "epochs", "block_size", "prefetch", "memory_budget", "block_major", "save_activations",
-             "cuda_graphs", "log_every", "save_every", "out", "eval_data", "eval_every", "save_total_limit", "metrics")
+             "cuda_graphs", "least_memory", "log_every", "save_every", "out", "eval_data", "eval_every", "save_total_limit", "metrics")
 # may be given again where the files moved: the same model (config and tensor layout) and the same rows
 # (tokenized), checked by hash
 MOVABLE = ("model", "data")

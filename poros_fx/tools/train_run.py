@@ -46,7 +46,7 @@ from ..handles import causal_lm, get_store
 from ..io.data import TokenDataset, batches
 from ..io.loader import from_config as random_model
 from ..io.loader import load_pretrained
-from ..options import AUTO, resolve_device
+from ..options import AUTO, PorosOptions, resolve_device
 from ..prepare import set_trace_options
 from ..report import report
 from ..runtime.accumulate import step_context
@@ -92,7 +92,7 @@ class TrainOptions:
     seed: int = 0
     log_every: Optional[int] = None
     save_every: Optional[int] = None
-    memory_budget: Optional[str] = None
+    memory_budget: Optional[str] = AUTO  # what the device has free at the first step, less a margin (runtime/budget.py)
     block_major: bool = True  # accumulate N: each block runs all N micro-batches while loaded (runtime/accumulate.py)
     warmup_steps: int = 0
     schedule: str = "constant"  # after warmup: constant, linear or cosine decay to 0 at the last step
@@ -106,7 +106,9 @@ class TrainOptions:
     chunked_loss: bool = False  # head + loss in vocabulary chunks (poros_fx/loss.py)
     offload_boundaries: bool = False  # saved block outputs in host memory (passes/offload.py)
     save_activations: int = 0  # the last N layer blocks keep their activations, not recomputed (passes/recompute.py)
-    cuda_graphs: bool = False  # region calls replayed from CUDA graphs (runtime/cuda_graphs.py)
+    cuda_graphs: Optional[bool] = None  # region calls replayed from CUDA graphs (runtime/cuda_graphs.py); None: on
+    # on CUDA where they keep the guarantee (options.cuda_graphs_choice)
+    least_memory: bool = False  # every block streamed, no CUDA graphs: the least device memory
 
     def check(self) -> None:
         """Refuse settings that cannot run, before anything is loaded."""
@@ -129,12 +131,20 @@ class TrainOptions:
             raise PorosConfigError(f"max_grad_norm must be above 0, got {self.max_grad_norm}")
         if self.eval_every is not None and self.eval_data is None:
             raise PorosConfigError("eval_every needs eval_data (the data to evaluate on)")
-        parse_size(self.memory_budget)
+        if self.least_memory and self.memory_budget == AUTO:
+            self.memory_budget = None  # the default budget gives way; one asked for is refused just below
+        PorosOptions.from_dict(self.step_options() | {"memory_budget": self.memory_budget})
         if self.cuda_graphs and resolve_device(self.device).type != "cuda":
             raise PorosConfigError("cuda_graphs replays CUDA kernels; this run computes on the CPU (leave --cuda-graphs "
                                    "out, or train on a CUDA device)")
         if self.cuda_graphs and self.offload_boundaries:
             raise PorosConfigError("cuda_graphs cannot be combined with offload_boundaries; use one of the two")
+
+    def step_options(self) -> dict[str, Any]:
+        """The backend's options this run sets (``torch.compile(..., options=...)``)."""
+        return {"block_major": self.block_major, "chunked_loss": self.chunked_loss,
+                "offload_boundaries": self.offload_boundaries, "save_activations": self.save_activations,
+                "cuda_graphs": self.cuda_graphs, "least_memory": self.least_memory}
 
 
 @dataclasses.dataclass
@@ -285,8 +295,7 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
                   f"trainable parameters)", soft_wrap=True, highlight=False)
     model.train()
     # several ranks: DDP with the host store ignored, all-reducing the adapter's gradients
-    options = {"block_major": o.block_major, "chunked_loss": o.chunked_loss, "offload_boundaries": o.offload_boundaries,
-               "save_activations": o.save_activations, "cuda_graphs": o.cuda_graphs}
+    options = o.step_options()
     set_trace_options(model, options)
     step_model = torch.compile(distributed.data_parallel(model) if ranks.distributed else model, backend="poros",
                                options=options)
@@ -307,7 +316,7 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
                   max_grad_norm=o.max_grad_norm, eval_data=as_path(o.eval_data), eval_every=o.eval_every,
                   save_total_limit=o.save_total_limit, train_on=o.train_on, split=o.split, metrics=o.metrics,
                   chunked_loss=o.chunked_loss, offload_boundaries=o.offload_boundaries,
-                  save_activations=o.save_activations, cuda_graphs=o.cuda_graphs,
+                  save_activations=o.save_activations, cuda_graphs=o.cuda_graphs, least_memory=o.least_memory,
                   model_sha256=_model_sha256(folder) if o.model is not None else None)
     metrics = MetricsLog(o.out, enabled=o.metrics and ranks.rank == 0) if o.out is not None else MetricsLog(Path("."),
                                                                                                           enabled=False)
@@ -321,7 +330,7 @@ _CONFIG_KEYS = ("model", "from_config", "data", "quantization", "lora_r", "lora_
                 "target_modules", "steps", "lr", "weight_decay", "seq_len", "pack", "batch_size", "accumulate",
                 "block_size", "prefetch", "codegen", "seed", "log_every", "save_every", "memory_budget", "block_major",
                 "warmup_steps", "schedule", "max_grad_norm", "eval_data", "eval_every", "save_total_limit", "train_on",
-                "split", "metrics", "chunked_loss", "offload_boundaries", "save_activations", "cuda_graphs")
+                "split", "metrics", "chunked_loss", "offload_boundaries", "save_activations", "cuda_graphs", "least_memory")
 
 
 def _model_sha256(folder: Optional[Path]) -> Optional[str]:
@@ -331,6 +340,8 @@ def _model_sha256(folder: Optional[Path]) -> Optional[str]:
 def _check_budget(o: TrainOptions, session: Session) -> None:
     """A memory budget below what the streamed step is estimated to need is refused here, before anything
     compiles (``poros-fx check`` shows the same estimate)."""
+    if o.memory_budget == AUTO:  # what the device has free: nothing to refuse before the first step
+        return
     budget = parse_size(o.memory_budget)
     if budget is None:
         return
