@@ -125,3 +125,21 @@ def test_an_input_of_another_dtype_or_layout_is_not_copied_into_the_graph():
         got = graphs.around("run", lambda t: False, lambda: graphs.call("site", double, [other]))
         assert got[0].dtype == other.dtype and torch.equal(got[0], other * 2)
     assert graphs.counters.fallbacks == 2 and graphs.counters.replays == 1
+
+
+def test_an_expanded_input_is_copied_into_the_graph_by_its_storage():
+    """A new input each run whose elements share memory (a mask expanded over the batch: stride 0) is laid
+    out alike in the graph's buffer, which ``copy_`` cannot write element by element: its span is copied."""
+
+    def scale(inputs):
+        x, w = inputs
+        inputs.clear()
+        return [x * w]
+
+    graphs = RegionGraphs(torch.device("cpu"), backend=Replayer())
+    w = torch.randn(4, 8)
+    for run in range(3 + WARMUP_RUNS):
+        x = torch.randn(1, 8).expand(4, 8)  # a new tensor every run, four rows over one
+        got = graphs.around("run", lambda t: False, lambda: graphs.call("site", scale, [x, w]))
+        assert torch.equal(got[0], x * w), run
+    assert graphs.counters.captures == 1 and graphs.counters.replays >= 2, graphs.counters

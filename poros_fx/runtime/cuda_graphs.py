@@ -325,7 +325,7 @@ class RegionGraphs:
         for t, slot, buffer in zip(inputs, slots, call_inputs):
             if slot.kind == COPY:
                 slot.buffer = _alias(buffer)
-                buffer.copy_(t)
+                _fill(buffer, t)
         self.backend.replay(graph)
         self.counters.captures += 1
         try:
@@ -392,7 +392,7 @@ class RegionGraphs:
         copied = 0
         for t, slot in zip(inputs, captured.inputs):
             if slot.kind == COPY:
-                slot.buffer.copy_(t)
+                _fill(slot.buffer, t)
                 copied += t.nbytes
         passed = {s.source: inputs[s.source].untyped_storage() for s in captured.outputs if s.source >= 0}
         inputs.clear()  # boxed: the caller's list is released, as an uncaptured call releases it
@@ -444,8 +444,23 @@ def _unfilled(t: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor laid out as ``t``. Not ``torch.empty``: under deterministic algorithms it
     fills new memory with NaN, and inside a capture that fill would be part of the graph, replayed after
     the input was copied in."""
-    elements = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
-    return _on(torch.UntypedStorage(elements * t.element_size(), device=t.device), 0, t.shape, t.stride(), t.dtype)
+    return _on(torch.UntypedStorage(_span(t) * t.element_size(), device=t.device), 0, t.shape, t.stride(), t.dtype)
+
+
+def _fill(buffer: torch.Tensor, t: torch.Tensor) -> None:
+    """``t``'s values into ``buffer``, laid out alike. Where elements share memory (an expanded mask or
+    position tensor: a stride of 0) ``copy_`` refuses to write element by element, so the storage span
+    they lie in is copied instead: the same values at the same places."""
+    if not torch._debug_has_internal_overlap(buffer):
+        buffer.copy_(t)
+        return
+    span = _span(t)
+    _on(buffer.untyped_storage(), buffer.storage_offset(), (span,), (1,), t.dtype).copy_(t.as_strided((span,), (1,)))
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements of storage from ``t``'s first element to its last."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0) if t.numel() else 0
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
