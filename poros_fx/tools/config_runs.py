@@ -64,9 +64,12 @@ class RunFailed(Exception):
 
 def innermost(error: BaseException) -> BaseException:
     """The error a backend raised, out of the ones Dynamo wraps it in (a ``PorosError`` as it is)."""
-    while not isinstance(error, PorosError) and (getattr(error, "inner_exception", None) is not None
-                                                 or error.__cause__ is not None):
-        error = getattr(error, "inner_exception", None) or error.__cause__
+    while not isinstance(error, PorosError):
+        inner = getattr(error, "inner_exception", None) or error.__cause__ or (
+            None if error.__suppress_context__ else error.__context__)  # Dynamo re-raises fake-tensor errors
+        if inner is None:
+            return error
+        error = inner
     return error
 
 
