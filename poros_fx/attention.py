@@ -158,11 +158,11 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     # [batch, seq, heads, dim] in memory (a copy only where a kernel gave another layout)
     def unmasked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         q, k, v = (_GradSeqMajor.apply(t) for t in (q, k, v))
-        return sdpa_attention_forward(module, q, k, v, None, **kwargs)[0]
+        return _standard_strides(sdpa_attention_forward(module, q, k, v, None, **kwargs)[0])
 
     def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         q, k, v = (_GradSeqMajor.apply(t) for t in (q, k, v))
-        return sdpa_attention_forward(module, q, k, v, m, **kwargs)[0]
+        return _standard_strides(sdpa_attention_forward(module, q, k, v, m, **kwargs)[0])
 
     if torch.compiler.is_dynamo_compiling():  # a layer traced inline into the step's graph
         return torch.cond(skip, unmasked, masked, (query, key, value, full_mask)), None
@@ -170,6 +170,16 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     # which make_fx traces branch by branch; torch.cond would compile a wrapper with Dynamo here, whose
     # frame cache (and its automatic dynamic shapes) would then be shared by every region traced after it
     return cond_op(skip, lambda *a: (unmasked(*a),), lambda *a: (masked(*a),), (query, key, value, full_mask))[0], None
+
+
+def _standard_strides(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (contiguous) with the strides a fresh tensor of its shape has. A dimension of one has no
+    stride of its own, and the kernels leave different ones there (CUDA's flash and memory-efficient
+    kernels: one KV head gave (90, 10, 90, 1) against the math kernel's (90, 10, 10, 1)), which
+    ``torch.cond`` refuses between its branches. The same values."""
+    if any(guard_or_false(size == 1) for size in x.shape):
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
 
 
 class _GradSeqMajor(torch.autograd.Function):

@@ -15,6 +15,7 @@ import transformers
 
 import poros_fx
 from poros_fx.errors import PorosConfigError
+from poros_fx.compiler.regions.table import check_on_device
 from poros_fx.prepare import get_store
 from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
 from poros_fx.tools.tiny import demo_batches, lora_targets, tiny_config
@@ -55,6 +56,19 @@ def test_prepare_takes_a_base_and_an_adapter_attached_after_trains_exactly():
     usual_trace = train(usual, torch.compile(usual, backend="poros"), data, accumulate=2)
     diffs = compare(late_trace, usual_trace)
     assert diffs == EQUAL, format_diffs("adapter after prepare vs before", diffs)
+
+
+def test_a_region_call_with_tensors_off_the_compute_device_is_refused():
+    """On CUDA, PEFT puts an adapter attached after ``prepare`` where the base weights are: host memory.
+    A region call (fake tensors while Dynamo traces it, real ones at run time) whose inputs are not all on
+    the layer's compute device is refused with what to do (on the H200 it was a fake-tensor device error
+    inside the region's trace, reported as a layer that does not fit a region)."""
+    on_device = [torch.zeros(2, 3)]
+    check_on_device(0, torch.device("cpu"), on_device)
+    check_on_device(0, torch.device("meta"), [torch.zeros(2, 3, device="meta"), torch.tensor(True)])  # a CPU flag
+    with pytest.raises(PorosConfigError, match="decoder layer 4 has tensors of its own on cpu while the model "
+                                               "computes on cuda:0: an adapter attached after poros_fx.prepare"):
+        check_on_device(4, torch.device("cuda", 0), on_device)
 
 
 def test_peft_from_pretrained_on_a_prepared_base(tmp_path):

@@ -54,6 +54,19 @@ def table_of(handle: int) -> "RegionTable":
     return table
 
 
+def check_on_device(layer: int, device: Any, inputs: Sequence[Any]) -> None:
+    """A region call's inputs (fake or real tensors) are on the layer's compute device; an adapter attached
+    after ``prepare`` on CUDA is not (PEFT puts it where the base weights are: host memory)."""
+    # a CPU scalar is passed on purpose (the attention's skip flag, attention.py: no device sync to read it)
+    elsewhere = sorted({str(t.device) for t in inputs if t.device != device and t.dim() > 0})
+    if elsewhere:
+        raise PorosConfigError(
+            f"decoder layer {layer} has tensors of its own on {', '.join(elsewhere)} while the model computes on "
+            f"{device}: an adapter attached after poros_fx.prepare is created where PEFT finds the layer's base "
+            "weights, which prepare keeps in host memory. Attach the adapter before poros_fx.prepare (prepare "
+            "puts it on the compute device)")
+
+
 class RegionTable:
     """The regions of one prepared model's decoder layers, keyed by structure; ``handle`` names it in
     the region ops' arguments."""
@@ -94,6 +107,7 @@ class RegionTable:
         """The region for this call of layer ``layer`` on the op inputs ``inputs`` (fake or real
         tensors), traced now if no region takes it, and the values of its symbols for this call."""
         coarse = tuple((t.dtype, t.device, t.dim()) for t in inputs)
+        check_on_device(layer, self.layers[layer]._poros_device, inputs)
         key = (self._fingerprint(layer), call, grads, coarse)
         for region in self.by_key.get(key, ()):
             values = region.signature.bind(inputs)
