@@ -21,7 +21,6 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from ..options import LEAST_MEMORY_OFF
 from .tiny import FAMILY_TARGETS
 
 FAMILIES = ("qwen2", "llama", "mistral", "qwen3", "gemma3_text", "phi3", "qwen3_5_text", "gemma4_text")
@@ -176,23 +175,16 @@ def configs(draw: st.DrawFn, device: str = "cpu") -> TrainingConfig:
     options: dict[str, Any] = {"codegen": codegen}
     options["block_size"] = draw(st.integers(1, 2))
     options["prefetch"] = draw(st.sampled_from([0, 1, "auto"]))
-    # a memory budget a few blocks fit in (on the CPU the ledger counts the base), or "auto" (what the
-    # device has free; none on the CPU); absent, the trainers default to "auto"
-    budget = draw(st.sampled_from([None, None, None, "auto", "tiny", "some", "all"]))
-    if budget is not None:
-        options["memory_budget"] = budget
+    if draw(st.booleans()):  # a memory budget a few blocks fit in (on the CPU the ledger counts the base)
+        options["memory_budget"] = draw(st.sampled_from(["tiny", "some", "all"]))
     if draw(st.integers(0, 3)) == 0:
         options["save_activations"] = draw(st.integers(1, shape.layers))
     if draw(st.integers(0, 3)) == 0:
         options["chunked_loss"] = True
     if draw(st.integers(0, 3)) == 0:
         options["offload_boundaries"] = True
-    if device == "cuda":  # absent: the default (on, unless offload_boundaries)
-        graphs = draw(st.sampled_from([None, True, False]))
-        if graphs is not None:
-            options["cuda_graphs"] = graphs
-    if draw(st.integers(0, 7)) == 0:  # the least-memory plan, without the options it turns off
-        options = {k: v for k, v in options.items() if k not in LEAST_MEMORY_OFF} | {"least_memory": True}
+    if device == "cuda":
+        options["cuda_graphs"] = draw(st.booleans())
     base = draw(st.sampled_from(BASES))
     surface_attach = surface == "compile" and draw(st.integers(0, 3)) == 0
     # DoRA attached to an already prepared NF4 base fails inside PEFT's own DoRA set-up (it dequantizes the
