@@ -40,7 +40,7 @@ import poros_fx
 from poros_fx.prepare import get_store
 from poros_fx.runtime.cuda_graphs import WARMUP_RUNS, RegionGraphs
 from poros_fx.runtime.executor import GraphRuntime
-from poros_fx.tools.tiny import demo_batches, lora_model, tiny_config
+from poros_fx.models.tiny import demo_batches, lora_model, tiny_config
 
 SEQ = 32
 PHASES = ("bytecode_tracing", "aot_collect_metadata", "aot_trace_joint_graph", "create_aot_dispatcher_function",

@@ -3,7 +3,7 @@
     python examples/finetune.py                       # CPU: a tiny checkpoint built here, 4 steps
     python examples/finetune.py --model Qwen/Qwen2.5-7B --data chat.jsonl --steps 200   # yours (cached id or folder)
 
-The same loop as ``poros-fx train`` (``poros_fx/tools/train_run.py``); ``save`` writes the PEFT adapter, the
+The same loop as ``poros-fx train`` (``poros_fx/training/loop.py``); ``save`` writes the PEFT adapter, the
 tokenizer and ``run.toml`` (``poros-fx train --config DIR/run.toml`` repeats the run).
 """
 
@@ -16,8 +16,8 @@ import torch
 import transformers
 
 from poros_fx import FineTuner
-from poros_fx.tools.tiny import tiny_config
-from poros_fx.tools.tiny_tokenizer import chat_records, tiny_tokenizer
+from poros_fx.models.tiny import tiny_config
+from poros_fx.models.tiny_tokenizer import chat_records, tiny_tokenizer
 
 
 def tiny_checkpoint(folder: Path) -> tuple[str, str]:

@@ -22,8 +22,8 @@ import time
 import torch
 
 import poros_fx
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import demo_batches, lora_model, qwen25_config, tiny_config
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.models.tiny import demo_batches, lora_model, qwen25_config, tiny_config
 
 
 def main(argv: list[str] | None = None) -> int:

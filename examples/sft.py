@@ -15,9 +15,9 @@ import torch
 import trl
 
 from poros_fx.hf import PorosSFTTrainer
-from poros_fx.tools.tiny import lora_targets, tiny_config
+from poros_fx.models.tiny import lora_targets, tiny_config
 from poros_fx.io.loader import from_config
-from poros_fx.tools.tiny_tokenizer import chat_records, tiny_tokenizer
+from poros_fx.models.tiny_tokenizer import chat_records, tiny_tokenizer
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ The model is prepared and compiled by the decorator on its first call; the optim
 import torch
 
 import poros_fx
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 
 @poros_fx.step(accumulate=2)

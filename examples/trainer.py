@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from poros_fx.hf import PorosTrainer
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 
 def main() -> None:

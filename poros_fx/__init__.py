@@ -2,17 +2,11 @@
 
 The layout follows the pipeline: ``compiler`` (the backend, schedule, ops, regions, dumps) runs the
 passes (``poros_fx.passes``, the repository's ``passes/`` folder) and hands the graphs to ``runtime``
-(host store, copies, ledger); ``io`` reads and writes checkpoints and data; ``tools`` holds the CLI,
-the benchmark and helpers. The user surfaces (``prepare``, ``step``, ``hf``) sit here at the top.
+(host store, copies, ledger); ``io`` reads and writes checkpoints and data. The user surfaces
+(``prepare``, ``step``, ``hf``, ``sft``) sit above them; ``training`` (the loop behind ``FineTuner`` and
+``poros-fx train``), ``exactness`` (the parity harness and the configuration generator), ``bench`` and
+``cli`` (the ``poros-fx`` command) sit on top. ``tests/test_layers.py`` holds the order.
 """
-
-import os as _os
-
-# An installed wheel has poros_fx/passes (pyproject's package-dir); a plain checkout keeps the passes
-# in passes/ beside this folder, so the package path reaches there too.
-if not _os.path.isdir(_os.path.join(__path__[0], "passes")) and _os.path.isfile(
-        _os.path.join(_os.path.dirname(__path__[0]), "passes", "__init__.py")):
-    __path__.append(_os.path.dirname(__path__[0]))
 
 from .noise import filter_third_party_noise
 
@@ -29,7 +23,7 @@ from .stats import stats
 from .runtime.accumulate import block_major
 from .runtime.lengths import mark_dynamic
 from .step import PorosStep, step
-from .finetune import FineTuner
+from .training.finetune import FineTuner
 
 __version__ = "0.1.0"
 

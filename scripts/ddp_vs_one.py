@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 def _model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     import poros_fx
-    from poros_fx.tools.tiny import lora_model, qwen25_config, tiny_config
+    from poros_fx.models.tiny import lora_model, qwen25_config, tiny_config
 
     config = tiny_config("qwen2", layers=args.layers) if args.model == "tiny" else qwen25_config(args.model)
     if args.model != "tiny":

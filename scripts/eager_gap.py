@@ -18,7 +18,7 @@ import re
 import torch
 
 import poros_fx
-from poros_fx.tools.tiny import demo_batches, lora_model, qwen25_config, tiny_config
+from poros_fx.models.tiny import demo_batches, lora_model, qwen25_config, tiny_config
 
 
 def grads_of(backend: str, config, args, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

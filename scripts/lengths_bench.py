@@ -25,9 +25,9 @@ import torch
 
 import poros_fx
 from poros_fx.prepare import get_store
-from poros_fx.tools.bench import environment
-from poros_fx.tools.tiny import lora_targets
-from poros_fx.tools.tiny import qwen25_config
+from poros_fx.bench import environment
+from poros_fx.models.tiny import lora_targets
+from poros_fx.models.tiny import qwen25_config
 
 
 class GcClock:

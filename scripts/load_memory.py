@@ -49,9 +49,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from poros_fx.io.host_memory import proc_meminfo as meminfo  # noqa: E402
-from poros_fx.tools.profiling import (Sampler, child_env, proc_status, reset_peak_rss, result_stream,  # noqa: E402
+from poros_fx.bench.profiling import (Sampler, child_env, proc_status, reset_peak_rss, result_stream,  # noqa: E402
                                       run_child as run_command, sampling)
-from poros_fx.tools.tables import cell as fmt, environment, markdown_table, write_report  # noqa: E402
+from poros_fx.bench.tables import cell as fmt, environment, markdown_table, write_report  # noqa: E402
 from poros_fx.units import GIB, table_gb as gb, table_gib as fmt_gib  # noqa: E402
 KINDS = ("ckpt", "std", "config")
 SIZES = ("tiny", "0.5b", "7b", "32b", "72b")
@@ -62,7 +62,7 @@ RSS_TARGET = 1.1  # host RSS growth during the load <= 1.1 x (base + one decoder
 GPU_TARGET_BYTES = 0.5e9  # GPU peak during the load <= 0.5 GB (the issue's target at 32B)
 GPU_TARGET_SIZE = "32b"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# poros_fx.tools.tiny.tiny_config("qwen2", **TINY)
+# poros_fx.models.tiny.tiny_config("qwen2", **TINY)
 TINY = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": 2048}
 
 # parameters (embedding + head, per decoder layer, layers) of each shape, for the estimates below and the
@@ -128,8 +128,8 @@ def resolve_cases(text: str, shape: str | None) -> list[str]:
 
 
 def make_config(size: str):
-    """``poros_fx.tools.tiny``'s config for the shape; with ``:LAYERS``, the same with that many decoder layers."""
-    from poros_fx.tools.tiny import qwen25_config, tiny_config
+    """``poros_fx.models.tiny``'s config for the shape; with ``:LAYERS``, the same with that many decoder layers."""
+    from poros_fx.models.tiny import qwen25_config, tiny_config
 
     shape, layers = split_size(size)
     config = tiny_config("qwen2", **TINY) if shape == "tiny" else qwen25_config(shape)

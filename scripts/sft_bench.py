@@ -3,10 +3,10 @@ bitsandbytes (gradient checkpointing on, TRL's default), in one process.
 
     python scripts/sft_bench.py OUT_DIR [--model 7b] [--steps 20] [--seq 512] [--methods poros,plain]
 
-Qwen2.5 shapes with random weights (``poros_fx.tools.tiny.qwen25_config``; no hub), NF4 base, LoRA r16 alpha 32
+Qwen2.5 shapes with random weights (``poros_fx.models.tiny.qwen25_config``; no hub), NF4 base, LoRA r16 alpha 32
 on all seven projections, batch 1, sequences of ``--seq`` tokens (random ids, so every row is full length),
 AdamW lr 1e-4, TRL's own loss (its fused LM head). The tokenizer is the small one built locally
-(``poros_fx/tools/tiny_tokenizer.py``): the data is pre-tokenized, TRL only needs its pad token.
+(``poros_fx/models/tiny_tokenizer.py``): the data is pre-tokenized, TRL only needs its pad token.
 
 Per method: median s/step over the steps after the first two (the first compiles), the first step's
 seconds, ``torch.cuda.max_memory_allocated`` over the run, and the losses; for poros also its ledger
@@ -40,8 +40,8 @@ import trl  # noqa: E402
 from poros_fx.hf import PorosSFTTrainer  # noqa: E402
 from poros_fx.io.quantize import quantize_nf4  # noqa: E402
 from poros_fx.units import format_bytes  # noqa: E402
-from poros_fx.tools.tiny import lora_targets, qwen25_config  # noqa: E402
-from poros_fx.tools.tiny_tokenizer import tiny_tokenizer  # noqa: E402
+from poros_fx.models.tiny import lora_targets, qwen25_config  # noqa: E402
+from poros_fx.models.tiny_tokenizer import tiny_tokenizer  # noqa: E402
 
 WARMUP = 2  # steps left out of the median: the first compiles (poros), both warm their allocators
 

@@ -16,7 +16,7 @@ import transformers
 import poros_fx
 from poros_fx.io.loader import LoaderError, check_adapter, from_config, load_pretrained
 from poros_fx.prepare import get_store
-from poros_fx.tools.tiny import TARGETS, demo_batches, tiny_config
+from poros_fx.models.tiny import TARGETS, demo_batches, tiny_config
 
 PLENTY = 1 << 40  # an available-RAM reading that never refuses
 BATCH = demo_batches(1, seq=16, seed=5)[0]
@@ -183,7 +183,7 @@ def _checkpointing_warnings(fn) -> list[str]:
 def test_no_is_gradient_checkpointing_warning(checkpoint, adapter):
     """peft 0.21's PeftModel reads ``is_gradient_checkpointing``, which transformers 5 deprecated; our own
     calls do not pass that warning on to the user (and only that one is held back)."""
-    from poros_fx.tools.tiny import tiny_lora_model
+    from poros_fx.models.tiny import tiny_lora_model
 
     lora = peft.LoraConfig(r=2, target_modules=["q_proj"])
     plain = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2", layers=1))

@@ -17,8 +17,8 @@ import poros_fx
 from poros_fx.errors import PorosConfigError
 from poros_fx.compiler.regions.table import check_on_device
 from poros_fx.prepare import get_store
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import demo_batches, lora_targets, tiny_config
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.models.tiny import demo_batches, lora_targets, tiny_config
 
 EQUAL = {s: 0.0 for s in SURFACES}
 
@@ -155,7 +155,7 @@ def test_unprepare_removes_the_hooks():
 def test_dora_on_an_nf4_base_is_refused_at_prepare():
     """PEFT's DoRA reads the base weight as a bitsandbytes ``Params4bit``; streamed, it would be handed the
     packed bytes (a shape error mid-trace): ``prepare`` refuses, before anything is moved."""
-    from poros_fx.tools.tiny import add_lora, base_model
+    from poros_fx.models.tiny import add_lora, base_model
 
     model = add_lora(base_model(tiny_config("qwen2", layers=1), dtype=torch.bfloat16, nf4=True), dora=True,
                      targets=["q_proj"])
@@ -166,7 +166,7 @@ def test_dora_on_an_nf4_base_is_refused_at_prepare():
 
 def test_dora_on_an_fp32_base_equals_the_eager_loop():
     """DoRA on a full-precision base streams like LoRA: == the plain eager PEFT loop (eager codegen)."""
-    from poros_fx.tools.tiny import add_lora, base_model
+    from poros_fx.models.tiny import add_lora, base_model
 
     runs = []
     for compiled in (True, False):

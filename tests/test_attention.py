@@ -17,8 +17,8 @@ import transformers
 
 import poros_fx
 from poros_fx import attention
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import attention_batches, tiny_lora_model
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.models.tiny import attention_batches, tiny_lora_model
 
 EQUAL = {s: 0.0 for s in SURFACES}
 

@@ -11,7 +11,7 @@ import torch
 
 from train_helper import run_cli
 
-from poros_fx.tools import bench
+from poros_fx import bench
 
 TINY = {"models": "tiny", "seqs": "32", "accums": "1", "steps": 2, "warmup": 1, "device": "cpu"}
 ROW_KEYS = {"model", "method", "block_size", "seq", "accum", "s_per_step", "peak_gb", "h2d_gbps", "floor_s",
@@ -171,12 +171,12 @@ def test_compile_warm_runs_the_row_again_in_a_second_process(tmp_path, monkeypat
 
 
 def test_poros_fx_bench_takes_every_option_of_the_module():
-    """`poros-fx bench` and `python -m poros_fx.tools.bench` are two parsers of one benchmark: every option
+    """`poros-fx bench` and `python -m poros_fx.bench` are two parsers of one benchmark: every option
     of the module's is the command's too (the command once lacked --memory-budget, --compile-warm and the
     Unsloth options), with the same help for the models and methods."""
     import typer
 
-    from poros_fx.tools import cli as cli_module
+    from poros_fx.cli import app as cli_module
 
     module_options = {o for a in bench.parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
     command = typer.main.get_command(cli_module.app).commands["bench"]

@@ -16,10 +16,10 @@ import transformers
 
 from poros_fx.io.loader import from_config
 from poros_fx.prepare import unprepare
-from poros_fx.tools import bench
-from poros_fx.tools.bench import unsloth
-from poros_fx.tools.bench.config import RowSpec
-from poros_fx.tools.tiny import tiny_config
+from poros_fx import bench
+from poros_fx.bench import unsloth
+from poros_fx.bench.config import RowSpec
+from poros_fx.models.tiny import tiny_config
 
 FAKE_UNSLOTH = textwrap.dedent('''
     """A stand-in for Unsloth's FastLanguageModel (tests only): records its arguments, trains plain PEFT."""

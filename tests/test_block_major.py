@@ -18,8 +18,8 @@ import poros_fx
 from poros_fx.errors import PorosConfigError, PorosExactnessError
 from poros_fx.runtime import draws
 from poros_fx.runtime.lockstep import Lockstep
-from poros_fx.tools.parity import SURFACES, adamw, compare, format_diffs, optimizer_step, train, Trace
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.exactness.parity import SURFACES, adamw, compare, format_diffs, optimizer_step, train, Trace
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 EQUAL = {s: 0.0 for s in SURFACES}
 LAYERS = 3

@@ -12,8 +12,8 @@ import torch
 
 import poros_fx
 from poros_fx.runtime.budget import _spread, parse_size
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 EQUAL = {s: 0.0 for s in SURFACES}
 LAYERS = 4
@@ -154,7 +154,7 @@ def spread_with_head(names: list[str], count: int) -> list[str]:
 def every_block_kept(budget: int):
     """A fresh model with room for every block in ``budget``, trained two optimizer steps of 2 micro-batches:
     (model, compiled, the 8 batches, its AdamW, the trace of those first 4)."""
-    from poros_fx.tools.parity import adamw
+    from poros_fx.exactness.parity import adamw
 
     torch._dynamo.reset()
     model = poros_fx.prepare(tiny_lora_model("qwen2", layers=LAYERS, dropout=0.1), device="cpu", memory_budget=budget)
@@ -169,7 +169,7 @@ def test_kept_blocks_are_given_back_when_what_stays_allocated_grows(reference):
     blocks back until the budget holds again, what stays spread over the layers, and the run stays exact."""
     import warnings
 
-    from poros_fx.tools.parity import steps
+    from poros_fx.exactness.parity import steps
 
     resident, streamed_stats = reference
     sizes = streamed_stats["block_bytes"]
@@ -196,7 +196,7 @@ def test_kept_blocks_are_given_back_when_the_time_between_steps_peaked_above_the
     forward checks the peak since the last one started and gives kept blocks back when it was over."""
     import warnings
 
-    from poros_fx.tools.parity import steps
+    from poros_fx.exactness.parity import steps
 
     resident, streamed_stats = reference
     sizes = streamed_stats["block_bytes"]
@@ -321,8 +321,8 @@ def test_a_forward_without_backward_leaves_nothing_behind():
 def test_loader_and_cli_take_a_budget(tmp_path):
     from typer.testing import CliRunner
 
-    from poros_fx.tools.cli import app
-    from poros_fx.tools.tiny import tiny_config
+    from poros_fx.cli.app import app
+    from poros_fx.models.tiny import tiny_config
 
     model = poros_fx.from_config(tiny_config("qwen2", layers=2), quantization="bf16", device="cpu",
                                  memory_budget="1GB")

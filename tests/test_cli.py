@@ -10,7 +10,7 @@ import torch
 
 import poros_fx
 from poros_fx.io.sizes import block_bytes, nf4_bytes
-from poros_fx.tools.tiny import tiny_config, tiny_lora_model
+from poros_fx.models.tiny import tiny_config, tiny_lora_model
 
 
 def words(text: str) -> str:

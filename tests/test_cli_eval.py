@@ -12,8 +12,8 @@ from train_helper import run_cli
 
 import poros_fx
 from poros_fx.io.data import IGNORE_INDEX, eval_batches, load_dataset
-from poros_fx.tools.evaluation import evaluate
-from poros_fx.tools.tiny import TARGETS, tiny_config, tiny_lora_model
+from poros_fx.training.evaluation import evaluate
+from poros_fx.models.tiny import TARGETS, tiny_config, tiny_lora_model
 
 VOCAB = 256
 

@@ -7,7 +7,7 @@ import re
 import pytest
 from train_helper import run_cli
 
-from poros_fx.tools.tiny import tiny_config
+from poros_fx.models.tiny import tiny_config
 
 COMMANDS = ("doctor", "check", "dump", "train", "eval", "export", "bench")
 
@@ -48,8 +48,8 @@ def test_the_command_knows_every_run_option():
     """The train command's list of run options (kept apart so that `--help` stays quick) is TrainOptions'."""
     import dataclasses
 
-    from poros_fx.tools import cli
-    from poros_fx.tools.train_run import TrainOptions
+    from poros_fx.cli import app as cli
+    from poros_fx.training.loop import TrainOptions
 
     assert set(cli._OPTION_NAMES) == {f.name for f in dataclasses.fields(TrainOptions)}
 

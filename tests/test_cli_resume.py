@@ -16,8 +16,8 @@ from cli_helper import SCRIPT, cli
 from safetensors import safe_open
 from train_helper import run_cli, run_cli_redirected
 
-from poros_fx.tools.run_state import STATE_FILE
-from poros_fx.tools.tiny import tiny_config
+from poros_fx.training.run_state import STATE_FILE
+from poros_fx.models.tiny import tiny_config
 
 # dropout > 0 so the RNG state matters; 2 micro-batches per step so the data position does
 FAST = ("--data", "demo", "--seq-len", "24", "--batch-size", "2", "--accumulate", "2", "--device", "cpu",

@@ -16,7 +16,7 @@ from train_helper import run_cli, run_cli_redirected
 
 from poros_fx.io.data import IGNORE_INDEX, DataError, load_dataset
 from poros_fx.io.export import ExportError, export_merged
-from poros_fx.tools.tiny import tiny_config
+from poros_fx.models.tiny import tiny_config
 
 VOCAB = 320  # the byte-level BPE below has 256 bytes + merges + specials < 320
 TEXTS = ["the quick brown fox jumps over the lazy dog", "hello world, what is two plus two?", "two plus two is four",

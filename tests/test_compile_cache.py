@@ -21,8 +21,8 @@ SCRIPT = textwrap.dedent("""
     import hashlib, json, torch
     import poros_fx
     from torch._dynamo.utils import counters
-    from poros_fx.tools.parity import compare, train
-    from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+    from poros_fx.exactness.parity import compare, train
+    from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
     torch.set_num_threads(1)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import poros_fx
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 PHASES = ("joint_trace_s", "partition_s", "forward_passes_s", "backward_passes_s", "forward_first_run_s",
           "backward_first_run_s", "region_trace_s")

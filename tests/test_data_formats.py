@@ -16,7 +16,7 @@ from train_helper import FAST, checkpoint, run_cli  # noqa: F401 (checkpoint is 
 datasets = pytest.importorskip("datasets")
 
 from poros_fx.io.data import IGNORE_INDEX, DataError, load_dataset  # noqa: E402
-from poros_fx.tools.tiny_tokenizer import chat_records, tiny_tokenizer  # noqa: E402
+from poros_fx.models.tiny_tokenizer import chat_records, tiny_tokenizer  # noqa: E402
 
 VOCAB = 320
 RECORDS = chat_records(6)

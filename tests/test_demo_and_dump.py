@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import poros_fx
-from poros_fx.__main__ import main
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.cli.demo import main
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 
 def test_main_job_writes_a_standard_adapter(tmp_path, capsys):
@@ -97,11 +97,11 @@ def test_readme_snippet_runs_without_a_checkpoint():
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
-    assert "from poros_fx.tools.tiny import tiny_config" in code
+    assert "from poros_fx.models.tiny import tiny_config" in code
     tiny = re.search(r"#\s+model = (poros_fx\.from_config\(.*\))", code).group(1)
     loaded = re.search(r"poros_fx\.load_pretrained\(.*lora=lora\)", code).group(0)
     assert code.index("ids =") < code.index("input_ids=ids")
-    runnable = "from poros_fx.tools.tiny import tiny_config\n" + code.replace(loaded, tiny)
+    runnable = "from poros_fx.models.tiny import tiny_config\n" + code.replace(loaded, tiny)
     scope: dict = {}
     exec(compile(runnable, "README.md", "exec"), scope)  # noqa: S102 (our own README)
     assert torch.isfinite(scope["loss"]) and scope["loss"].requires_grad

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from poros_fx.tools.parity import SURFACES, compare, format_diffs
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs
 
 EQUAL = {s: 0.0 for s in SURFACES}
 RANK_TIMEOUT_S = 240  # a rank still running after this is a hang: the test fails and kills it
@@ -123,8 +123,8 @@ def _ddp_run(rank: int, stream: bool) -> tuple[Any, dict[str, Any]]:
 
     import poros_fx
     from poros_fx import distributed
-    from poros_fx.tools.parity import train
-    from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+    from poros_fx.exactness.parity import train
+    from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
     torch._dynamo.reset()
     model = tiny_lora_model("qwen2", layers=2, dropout=0.1, seed=0)  # the same base and adapter on every rank
@@ -173,8 +173,8 @@ def _shared_load(rank: int, world: int, shm: str) -> dict[str, Any]:
     import poros_fx
     from poros_fx import distributed
     from poros_fx.prepare import get_store
-    from poros_fx.tools.parity import train
-    from poros_fx.tools.tiny import demo_batches, lora_targets, tiny_config
+    from poros_fx.exactness.parity import train
+    from poros_fx.models.tiny import demo_batches, lora_targets, tiny_config
 
     torch.manual_seed(0)  # the LoRA init, the same on every rank
     lora = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=lora_targets("qwen2"))
@@ -197,7 +197,7 @@ def test_two_ranks_share_one_host_store_and_train(tmp_path, shm):
     import peft
 
     import poros_fx
-    from poros_fx.tools.tiny import lora_targets, tiny_config
+    from poros_fx.models.tiny import lora_targets, tiny_config
 
     ranks = _ok(run_ranks(_shared_load, tmp_path, shm))
     assert [r["attached"] for r in ranks] == [False, True]  # rank 0 built the base, rank 1 mapped it
@@ -220,7 +220,7 @@ def test_two_ranks_share_one_host_store_and_train(tmp_path, shm):
 
 def _leader_fails(rank: int, world: int) -> None:
     import poros_fx
-    from poros_fx.tools.tiny import tiny_config
+    from poros_fx.models.tiny import tiny_config
 
     # rank 0 (the host's leader) is told there is no host RAM; rank 1 would not check (it takes none)
     poros_fx.from_config(tiny_config("qwen2", layers=2), quantization="bf16", device="cpu", progress=False,
@@ -278,8 +278,8 @@ def _gpu_exact(rank: int, world: int, quantization: str) -> dict[str, Any]:
 
     import poros_fx
     from poros_fx import distributed
-    from poros_fx.tools.parity import train
-    from poros_fx.tools.tiny import demo_batches, lora_targets, tiny_config
+    from poros_fx.exactness.parity import train
+    from poros_fx.models.tiny import demo_batches, lora_targets, tiny_config
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
@@ -332,7 +332,7 @@ def test_a_shared_arena_is_page_locked_by_each_mapping(shm):
 # -- the multi-GPU benchmark launcher, on CPU ------------------------------------------------------------
 
 def test_multi_bench_runs_poros_on_two_ranks_and_records_failures(tmp_path):
-    from poros_fx.tools import multi_bench
+    from poros_fx.bench import multi_gpu as multi_bench
 
     args = multi_bench.parse(["--device", "cpu", "--model", "tiny", "--rows", "poros:2", "--steps", "1",
                               "--warmup", "1", "--seq", "16", "--out", str(tmp_path)])

@@ -14,7 +14,7 @@ import torch
 
 from test_distributed import EQUAL, _ok, run_ranks
 from train_helper import run_cli
-from poros_fx.tools.parity import compare, format_diffs
+from poros_fx.exactness.parity import compare, format_diffs
 
 # a rank's prepared models, kept until it exits: its later models of the same structure take the region from
 # a live one instead of tracing it again (~6 s a model), as stream=False does in every in-process parity test
@@ -25,8 +25,8 @@ def _step_run(rank: int, stream: bool) -> Any:
     """A 2-micro-batch @poros_fx.step over a DDP module: its parity Trace."""
     import poros_fx
     from poros_fx import distributed
-    from poros_fx.tools.parity import Trace, adamw, optimizer_step
-    from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+    from poros_fx.exactness.parity import Trace, adamw, optimizer_step
+    from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
     torch._dynamo.reset()
     model = tiny_lora_model("qwen2", layers=2, dropout=0.1, seed=0)
@@ -54,7 +54,7 @@ def _trainer_run(rank: int, stream: bool, out: str) -> list[torch.Tensor]:
     import transformers
 
     from poros_fx.hf import PorosTrainer
-    from poros_fx.tools.tiny import tiny_lora_model
+    from poros_fx.models.tiny import tiny_lora_model
 
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
@@ -98,7 +98,7 @@ def test_step_and_trainer_on_two_ranks(tmp_path):
 def _unprepared_ddp(rank: int, world: int) -> None:
     import poros_fx
     from poros_fx.errors import PorosConfigError
-    from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+    from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
     ddp = torch.nn.parallel.DistributedDataParallel(tiny_lora_model("qwen2", layers=2))
 
@@ -111,7 +111,7 @@ def _unprepared_ddp(rank: int, world: int) -> None:
 
 
 def test_cli_train_under_torchrun(tmp_path, capsys):
-    from poros_fx.tools.tiny import tiny_config
+    from poros_fx.models.tiny import tiny_config
 
     tiny_config("qwen2", layers=2).save_pretrained(tmp_path / "config")
     out = tmp_path / "adapter"

@@ -1,9 +1,9 @@
 """The exactness property over whole training configurations drawn by Hypothesis.
 
-Each example is a training run (``poros_fx/tools/training_configs.py``): family at a tiny shape with
+Each example is a training run (``poros_fx/exactness/training_configs.py``): family at a tiny shape with
 widths that are not multiples of 8, base, adapter, data, surface, accumulation, toggles, resume, every
 option and the numeric modes. It is trained streamed, with ``stream=False`` and (eager codegen, HF's
-loss) as the plain eager loop, on fresh models from the same seeds (``tools/config_runs.py``); the runs
+loss) as the plain eager loop, on fresh models from the same seeds (``exactness/config_runs.py``); the runs
 must be ``torch.equal`` on every micro-batch loss, gradient norm, adapter weight and AdamW state, or
 the streamed run must raise a ``PorosError`` before its first optimizer step. A fixed set of examples
 (a seed per shard, no example database) runs in CI; ``poros-fx exactness`` draws more and shrinks a
@@ -17,9 +17,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, seed, settings
 
-from poros_fx.tools.config_runs import InvalidConfig, check, known_eager_difference, train_once
-from poros_fx.tools.parity import compare
-from poros_fx.tools.training_configs import Data, Shape, TrainingConfig, configs
+from poros_fx.exactness.config_runs import InvalidConfig, check, known_eager_difference, train_once
+from poros_fx.exactness.parity import compare
+from poros_fx.exactness.training_configs import Data, Shape, TrainingConfig, configs
 
 SHARDS = 8  # pytest-xdist spreads the shards over its workers
 EXAMPLES_PER_SHARD = 5

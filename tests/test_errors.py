@@ -5,7 +5,7 @@ import torch
 import transformers
 
 import poros_fx
-from poros_fx.tools.tiny import demo_batches, tiny_config, tiny_lora_model
+from poros_fx.models.tiny import demo_batches, tiny_config, tiny_lora_model
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import poros_fx
-from poros_fx.tools.parity import SURFACES, adamw, compare, format_diffs, train
+from poros_fx.exactness.parity import SURFACES, adamw, compare, format_diffs, train
 from poros_fx.compiler import block_graph
 from poros_fx.prepare import get_store
-from poros_fx.tools.tiny import demo_batches, gemma4_options, lora_targets, tiny_config, tiny_lora_model
+from poros_fx.models.tiny import demo_batches, gemma4_options, lora_targets, tiny_config, tiny_lora_model
 
 STEPS = 8
 ACCUMULATE = 2

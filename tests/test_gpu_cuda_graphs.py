@@ -17,8 +17,8 @@ import torch
 
 import poros_fx
 from poros_fx.runtime.cuda_graphs import CudaGraphs
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, mode_toggles, train
-from poros_fx.tools.tiny import attention_batches, lora_model, tiny_config
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, mode_toggles, train
+from poros_fx.models.tiny import attention_batches, lora_model, tiny_config
 
 pytestmark = pytest.mark.gpu
 
@@ -143,8 +143,8 @@ def test_gpu_no_garbage_collection_inside_a_capture():
 
 EXIT_SCRIPT = """
 import torch, poros_fx
-from poros_fx.tools.parity import train
-from poros_fx.tools.tiny import demo_batches, gemma4_options, tiny_lora_model
+from poros_fx.exactness.parity import train
+from poros_fx.models.tiny import demo_batches, gemma4_options, tiny_lora_model
 
 models = []  # both alive at exit, as in a bench process that prepared several models
 for family, extra in (("qwen3_5_text", {}), ("gemma4_text", gemma4_options(moe=False))):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import poros_fx
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import attention_batches, lora_model, tiny_config
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.models.tiny import attention_batches, lora_model, tiny_config
 
 pytestmark = pytest.mark.gpu
 

@@ -20,9 +20,9 @@ import torch
 
 import poros_fx
 from poros_fx.prepare import get_store
-from poros_fx.tools.kernels import linear_attention_paths
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import demo_batches, gemma4_options, lora_model, tiny_config
+from poros_fx.cli.kernels import linear_attention_paths
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.models.tiny import demo_batches, gemma4_options, lora_model, tiny_config
 
 pytestmark = pytest.mark.gpu
 

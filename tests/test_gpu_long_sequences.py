@@ -14,8 +14,8 @@ import torch
 
 import poros_fx
 from poros_fx.loss import chunked_causal_lm_loss, eager_rows, row_chunks
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import lora_model, tiny_config
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.models.tiny import lora_model, tiny_config
 
 pytestmark = pytest.mark.gpu
 

@@ -11,8 +11,8 @@ import torch
 
 import poros_fx
 from poros_fx.prepare import get_store
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, mode_toggles, train
-from poros_fx.tools.tiny import lora_model, tiny_config
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, mode_toggles, train
+from poros_fx.models.tiny import lora_model, tiny_config
 
 pytestmark = pytest.mark.gpu
 

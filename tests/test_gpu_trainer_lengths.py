@@ -26,7 +26,7 @@ def _train(stream: bool, out: Path) -> None:
     import transformers
 
     from poros_fx.hf import PorosTrainer
-    from poros_fx.tools.tiny import lora_model, tiny_config
+    from poros_fx.models.tiny import lora_model, tiny_config
 
     config = tiny_config("qwen2", layers=4, hidden=512, heads=8, kv_heads=2, vocab=2048, intermediate=1376)
     model = lora_model(config, dtype=torch.bfloat16, nf4=True, dropout=0.1, rank=8, device="cuda")

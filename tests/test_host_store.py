@@ -8,7 +8,7 @@ import poros_fx
 from poros_fx import ops
 from poros_fx.prepare import get_store
 from poros_fx.runtime.arena import ALIGN, HostArena, aligned
-from poros_fx.tools.tiny import tiny_lora_model
+from poros_fx.models.tiny import tiny_lora_model
 
 
 @pytest.mark.parametrize("nf4", [False, True], ids=["dense", "nf4"])
@@ -69,8 +69,8 @@ def test_embedding_gathers_rows_inside_the_compiled_graph():
 def test_chunked_head_is_exact_and_never_resident_whole(prefetch):
     """A head loaded in row chunks: streamed == stream=False on every surface, each chunk its own
     prefetch group, and the whole lm_head weight never on the device at once."""
-    from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-    from poros_fx.tools.tiny import demo_batches, lora_model, tiny_config
+    from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+    from poros_fx.models.tiny import demo_batches, lora_model, tiny_config
 
     config = tiny_config("qwen2", layers=2, vocab=4096)  # a head 4x larger than a layer, as at 32B-72B
     batches = demo_batches(4, vocab=4096, seq=16)
@@ -156,8 +156,8 @@ def test_a_block_is_one_copy_and_the_group_views_keep_host_alignment():
 def test_per_tensor_copies_train_exactly_like_block_copies():
     """``group_copies=False`` (a copy per tensor, for A/B measurements) and the default (a copy per
     block) are the same computation: two independent NF4 runs, equal on every surface."""
-    from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-    from poros_fx.tools.tiny import demo_batches
+    from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+    from poros_fx.models.tiny import demo_batches
 
     batches = demo_batches(4, seq=16)
     runs, counts = {}, {}
@@ -179,7 +179,7 @@ def test_per_tensor_copies_train_exactly_like_block_copies():
 def test_a_region_loads_its_layer_as_one_block():
     """With regions, a decoder layer's host tensors (NF4 weights and quant state, norms: 37 of them) are
     one load of the arena range that holds them side by side, and the region sees each as a view."""
-    from poros_fx.tools.tiny import demo_batches
+    from poros_fx.models.tiny import demo_batches
 
     model = tiny_lora_model("qwen2", layers=2, nf4=True)
     poros_fx.prepare(model, device="cpu")

@@ -11,7 +11,11 @@ layers, lowest first (``docs/how-it-works.md`` draws the same picture)::
     prepare   prepare, host_modules, adapter_hooks, report        a model made streamable
     io        io/                                                 checkpoints, quantization, data
     surfaces  step, hf, sft, distributed, stats                   what users call around their loop
-    tools     tools/, finetune, cli, __main__                     the CLI, benchmarks, the training loop
+    models    models/                                             built-in shapes and tiny real models
+    training  training/                                           the training loop, its data and run state, FineTuner
+    exactness exactness/                                          the parity harness and the configuration generator
+    bench     bench/                                              the benchmark harness and profiling
+    cli       cli/, __main__                                      the ``poros-fx`` command line
     api       poros_fx/__init__.py                                the public names
 
 A lazy import is allowed only for a module in ``LAZY`` (it pulls in the dependency named there) and
@@ -33,7 +37,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("prepare", ("prepare", "host_modules", "adapter_hooks", "report")),
     ("io", ("io",)),
     ("surfaces", ("step", "hf", "sft", "distributed", "stats")),
-    ("tools", ("tools", "finetune", "cli", "__main__")),
+    ("models", ("models",)),
+    ("training", ("training",)),
+    ("exactness", ("exactness",)),
+    ("bench", ("bench",)),
+    ("cli", ("cli", "__main__")),
     ("api", ("",)),
 )
 
@@ -167,7 +175,7 @@ def test_the_checker_sees_circles_upward_and_function_imports(tmp_path):
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert layer_of("poros_fx.runtime.executor") < layer_of("poros_fx.compiler.backend") < layer_of("poros_fx.prepare")
     assert layer_of("poros_fx.prepare") < layer_of("poros_fx.io.loader") < layer_of("poros_fx.step")
-    assert layer_of("poros_fx.step") < layer_of("poros_fx.tools.cli") < layer_of("poros_fx")
+    assert layer_of("poros_fx.step") < layer_of("poros_fx.cli.app") < layer_of("poros_fx")
     assert layer_of("poros_fx.passes.lower_regions") == layer_of("poros_fx.compiler.ops")
     module = "poros_fx.runtime.executor"
     source = "def f():\n    from ..prepare import prepare\n    from ..sft import x  # lazy: trl\n"

@@ -22,7 +22,7 @@ from poros_fx.runtime.cuda_graphs import RegionGraphs
 from poros_fx.runtime.executor import GraphRuntime
 from poros_fx.runtime.load_slots import MAX_SLOTS, LoadSlots
 from poros_fx.runtime.store import HostStore
-from poros_fx.tools.tiny import tiny_lora_model
+from poros_fx.models.tiny import tiny_lora_model
 
 CPU = torch.device("cpu")
 

@@ -21,7 +21,7 @@ from poros_fx.io import loader
 from poros_fx.io.loader import LoaderError, from_config, load_pretrained, load_report
 from poros_fx.prepare import causal_lm, get_store
 from poros_fx.io.quantize import quantize_nf4
-from poros_fx.tools.tiny import TARGETS, demo_batches, tiny_config
+from poros_fx.models.tiny import TARGETS, demo_batches, tiny_config
 
 PLENTY = 1 << 40  # an available-RAM reading that never refuses
 
@@ -393,7 +393,7 @@ def test_cuda_nf4_equals_bitsandbytes_config_load(tmp_path):
 @pytest.mark.gpu
 def test_cuda_nf4_equals_bitsandbytes_config_load_05b(tmp_path):
     """The byte-identity check at the Qwen2.5-0.5B shape, with a bf16 checkpoint written here."""
-    from poros_fx.tools.tiny import qwen25_config
+    from poros_fx.models.tiny import qwen25_config
 
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(qwen25_config("0.5b"), dtype=torch.bfloat16).save_pretrained(

@@ -16,8 +16,8 @@ from poros_fx.errors import PorosConfigError
 from poros_fx.loss import chunked_causal_lm_loss, eager_rows, row_chunks
 from poros_fx.prepare import set_trace_options
 from poros_fx.prepare import get_store
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 ZERO = {s: 0.0 for s in SURFACES}
 VOCAB, SEQ, BATCH, CHUNKS = 256, 24, 2, 3

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import poros_fx
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
 from poros_fx.prepare import get_store
-from poros_fx.tools.tiny import demo_batches, tiny_config
+from poros_fx.models.tiny import demo_batches, tiny_config
 
 ZERO = {s: 0.0 for s in SURFACES}
 
@@ -19,7 +19,7 @@ def build(nested: bool):
     import transformers
 
     from poros_fx.io.quantize import quantize_nf4
-    from poros_fx.tools.tiny import TARGETS
+    from poros_fx.models.tiny import TARGETS
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2", layers=2), dtype=torch.float32)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import poros_fx
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 STEPS = 8
 ZERO = {s: 0.0 for s in SURFACES}
@@ -84,7 +84,7 @@ def test_peft_bnb_lora_layer_is_exact():
     import transformers
 
     from poros_fx.io.quantize import quantize_nf4
-    from poros_fx.tools.tiny import TARGETS, tiny_config
+    from poros_fx.models.tiny import TARGETS, tiny_config
 
     def build():
         torch.manual_seed(0)

@@ -13,8 +13,8 @@ import poros_fx
 from poros_fx.errors import PorosConfigError
 from poros_fx.hf import PorosTrainer
 from poros_fx.options import PorosOptions, cuda_graphs_choice
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
-from poros_fx.tools.train_run import TrainOptions
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
+from poros_fx.training.loop import TrainOptions
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 

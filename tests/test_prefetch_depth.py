@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import poros_fx
-import poros_fx.tools.tiny
+import poros_fx.models.tiny
 from poros_fx.prepare import get_store
 from poros_fx.runtime.depth import choose_prefetch, summarize_timing
 
@@ -36,8 +36,8 @@ def test_depth_hides_a_copy_under_the_backward_of_the_blocks_before_it():
 
 
 def test_auto_prefetch_on_the_cpu_trains_like_prefetch_1_and_says_why():
-    from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-    from poros_fx.tools.tiny import demo_batches, lora_model, tiny_config
+    from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+    from poros_fx.models.tiny import demo_batches, lora_model, tiny_config
 
     batches = demo_batches(4, seq=16)
     runs = {}
@@ -60,7 +60,7 @@ def test_auto_prefetch_on_the_cpu_trains_like_prefetch_1_and_says_why():
 
 
 def test_a_fixed_prefetch_in_prepare_turns_auto_off():
-    model = poros_fx.tools.tiny.lora_model(poros_fx.tools.tiny.tiny_config("qwen2", layers=2))
+    model = poros_fx.models.tiny.lora_model(poros_fx.models.tiny.tiny_config("qwen2", layers=2))
     poros_fx.prepare(model, device="cpu", prefetch=2)
     torch._dynamo.reset()
     step = torch.compile(model, backend="poros")

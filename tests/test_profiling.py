@@ -1,6 +1,6 @@
-"""``poros_fx.tools.profiling.summarize`` on a hand-made trace: stream roles, idle split, H2D rate."""
+"""``poros_fx.bench.profiling.summarize`` on a hand-made trace: stream roles, idle split, H2D rate."""
 
-from poros_fx.tools.profiling import summarize
+from poros_fx.bench.profiling import summarize
 
 
 def _ev(cat, name, ts, dur, **args):

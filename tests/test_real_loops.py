@@ -17,8 +17,8 @@ import torch
 
 import poros_fx
 from poros_fx.prepare import get_store
-from poros_fx.tools.parity import SURFACES, adamw, compare, format_diffs, mode_toggles, train
-from poros_fx.tools.tiny import tiny_lora_model
+from poros_fx.exactness.parity import SURFACES, adamw, compare, format_diffs, mode_toggles, train
+from poros_fx.models.tiny import tiny_lora_model
 
 EQUAL = {s: 0.0 for s in SURFACES}
 # (batch, length): lengths that are not multiples of anything, a batch that grows, one of a single row
@@ -185,7 +185,7 @@ def test_attention_dropout_with_sdpa_is_refused_and_with_eager_attention_runs_bl
     """SDPA draws its dropout mask inside the kernel eager's mask decision branches to (``torch.cond``),
     and a branch's backward draws again: refused at prepare. Eager attention's dropout is an op of its own:
     block-major replays it and equals micro-batch order on a padded batch."""
-    from poros_fx.tools.tiny import attention_batches
+    from poros_fx.models.tiny import attention_batches
 
     with pytest.raises(poros_fx.PorosConfigError, match="attn_implementation='eager'"):
         _prepared(attention_dropout=0.2)

@@ -16,8 +16,8 @@ from poros_fx.compiler import regions
 from poros_fx.passes.rng import PHASE
 from poros_fx.prepare import get_store
 from poros_fx.runtime import rng as rng_impl
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import demo_batches, tiny_config, tiny_lora_model
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.models.tiny import demo_batches, tiny_config, tiny_lora_model
 
 ZERO = {s: 0.0 for s in SURFACES}
 

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import poros_fx
-from poros_fx.tools.tiny import tiny_lora_model
+from poros_fx.models.tiny import tiny_lora_model
 
 
 class _Records(logging.Handler):

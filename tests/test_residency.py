@@ -6,7 +6,7 @@ import torch
 import poros_fx
 from poros_fx.runtime.executor import GraphRuntime
 from poros_fx.passes.residency import aliases
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 
 def step(model, step_model, micro_batches):

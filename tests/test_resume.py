@@ -5,8 +5,8 @@ import torch
 from safetensors.torch import load_file
 
 import poros_fx
-from poros_fx.tools.parity import SURFACES, adamw, compare, format_diffs, steps, train
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.exactness.parity import SURFACES, adamw, compare, format_diffs, steps, train
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 STEPS, CUT, ACC = 8, 3, 2
 

@@ -15,7 +15,7 @@ import transformers
 import poros_fx
 from poros_fx.families import VALIDATED
 from poros_fx.prepare import get_store
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 
 def poros_error(excinfo: pytest.ExceptionInfo) -> BaseException | None:
@@ -270,7 +270,7 @@ def test_a_graph_break_inside_the_layers_is_warned_about_and_keeps_layer_blocks(
     """Dynamo split inside each layer (here a graph break before every MLP, regions off so Dynamo
     traces the layers): the backend says where and what it costs, once; a piece whose module paths
     name no layer still gets one block per layer from the base tensors it loads; and it stays exact."""
-    from poros_fx.tools.parity import compare, train
+    from poros_fx.exactness.parity import compare, train
 
     def run(stream):
         torch._dynamo.reset()

@@ -12,8 +12,8 @@ import torch
 
 import poros_fx
 from poros_fx.prepare import get_store
-from poros_fx.tools.parity import SURFACES, compare, format_diffs, train
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 EQUAL = {s: 0.0 for s in SURFACES}
 LAYERS = 3

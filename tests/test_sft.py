@@ -16,8 +16,8 @@ import peft  # noqa: E402
 
 import poros_fx  # noqa: E402
 from poros_fx.hf import PorosSFTTrainer  # noqa: E402
-from poros_fx.tools.tiny import lora_model, lora_targets, tiny_config  # noqa: E402
-from poros_fx.tools.tiny_tokenizer import chat_records, tiny_tokenizer  # noqa: E402
+from poros_fx.models.tiny import lora_model, lora_targets, tiny_config  # noqa: E402
+from poros_fx.models.tiny_tokenizer import chat_records, tiny_tokenizer  # noqa: E402
 
 VOCAB = 320
 

@@ -28,7 +28,7 @@ from poros_fx.io import manifest, meta_model
 from poros_fx.prepare import get_store
 from poros_fx.runtime import arena as arena_mod
 from poros_fx.runtime.arena import attach_shared, create_shared, remove_stale
-from poros_fx.tools.tiny import demo_batches, lora_targets, tiny_config, tiny_lora_model
+from poros_fx.models.tiny import demo_batches, lora_targets, tiny_config, tiny_lora_model
 
 
 @pytest.fixture

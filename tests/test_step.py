@@ -14,10 +14,10 @@ from torch import nn
 
 import poros_fx
 from poros_fx.errors import PorosConfigError
-from poros_fx.tools.parity import SURFACES, Trace, compare, format_diffs, optimizer_step
+from poros_fx.exactness.parity import SURFACES, Trace, compare, format_diffs, optimizer_step
 from poros_fx.prepare import get_store
 from poros_fx.step import PorosStep, step
-from poros_fx.tools.tiny import demo_batches, tiny_lora_model
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 STEPS = 12
 ZERO = {s: 0.0 for s in SURFACES}

@@ -1,4 +1,4 @@
-"""The one training loop (``tools/train_run.py``) through its two surfaces: ``FineTuner`` (the seed's five
+"""The one training loop (``training/loop.py``) through its two surfaces: ``FineTuner`` (the seed's five
 lines) and ``poros-fx train``; and its controls against the same loop written by hand.
 
 Every comparison is ``torch.equal`` / ``==`` between independent runs (each loads the checkpoint anew).
@@ -16,9 +16,9 @@ from train_helper import FAST, checkpoint, run_cli  # noqa: F401 (checkpoint is 
 
 import poros_fx
 from poros_fx.io.data import batches, load_dataset
-from poros_fx.tools.evaluation import evaluate
-from poros_fx.tools.tiny import lora_targets
-from poros_fx.tools.tiny_tokenizer import chat_records
+from poros_fx.training.evaluation import evaluate
+from poros_fx.models.tiny import lora_targets
+from poros_fx.models.tiny_tokenizer import chat_records
 
 VOCAB = 320
 

@@ -21,7 +21,7 @@ import poros_fx
 from poros_fx.errors import PorosConfigError
 from poros_fx.hf import PorosTrainer
 from poros_fx.prepare import get_store
-from poros_fx.tools.tiny import demo_batches, tiny_config, tiny_lora_model
+from poros_fx.models.tiny import demo_batches, tiny_config, tiny_lora_model
 
 STEPS = 6
 SAVE_EVERY = 3

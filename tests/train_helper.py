@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-from poros_fx.tools import cli as cli_module
-from poros_fx.tools.tiny import tiny_config
-from poros_fx.tools.tiny_tokenizer import tiny_tokenizer
+from poros_fx.cli import app as cli_module
+from poros_fx.models.tiny import tiny_config
+from poros_fx.models.tiny_tokenizer import tiny_tokenizer
 
 VOCAB = 320  # the tiny tokenizer has at most 300 tokens
 # one optimizer step = 2 rows of 24 tokens: every run takes seconds

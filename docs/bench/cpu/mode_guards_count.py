@@ -1,6 +1,6 @@
 import sys, time
 import torch, poros_fx
-from poros_fx.tools.tiny import tiny_config, lora_model, demo_batches
+from poros_fx.models.tiny import tiny_config, lora_model, demo_batches
 layers=int(sys.argv[1]); torch.set_num_threads(1)
 model = lora_model(tiny_config("qwen2", layers=layers, hidden=64, vocab=256), dropout=0.1)
 poros_fx.prepare(model, device="cpu", codegen="eager")

@@ -2,7 +2,7 @@ import sys, time
 import torch
 import poros_fx
 import poros_fx.compiler.regions.ops as ops
-from poros_fx.tools.tiny import tiny_config, lora_model, demo_batches
+from poros_fx.models.tiny import tiny_config, lora_model, demo_batches
 layers = int(sys.argv[1]); exp = sys.argv[2]
 torch.manual_seed(0); torch.set_num_threads(1)
 if exp == "nomode":

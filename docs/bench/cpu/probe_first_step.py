@@ -7,7 +7,7 @@ import time
 import torch
 
 import poros_fx
-from poros_fx.tools.tiny import demo_batches, lora_model, tiny_config
+from poros_fx.models.tiny import demo_batches, lora_model, tiny_config
 
 torch.manual_seed(0)
 model = lora_model(tiny_config("qwen2", layers=int(sys.argv[1])), dropout=0.05, nf4=True, dtype=torch.bfloat16)

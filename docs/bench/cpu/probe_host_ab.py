@@ -11,7 +11,7 @@ import time
 import torch
 
 import poros_fx
-from poros_fx.tools.tiny import demo_batches, lora_model, tiny_config
+from poros_fx.models.tiny import demo_batches, lora_model, tiny_config
 
 layers, mode = int(sys.argv[1]), sys.argv[2]
 torch.manual_seed(0)

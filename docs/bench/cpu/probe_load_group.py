@@ -11,7 +11,7 @@ from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
 import poros_fx
 from poros_fx.runtime import executor
-from poros_fx.tools.tiny import demo_batches, lora_model, tiny_config
+from poros_fx.models.tiny import demo_batches, lora_model, tiny_config
 
 spent = {"s": 0.0, "calls": 0}
 original = executor.GraphRuntime.load_group

@@ -3,7 +3,7 @@ Usage: probe_nested_region.py LAYERS REGION(0|1) NF4(0|1)."""
 import ctypes, time, types, sys, torch
 import poros_fx
 from poros_fx.prepare import get_store
-from poros_fx.tools.tiny import lora_model, tiny_config, demo_batches
+from poros_fx.models.tiny import lora_model, tiny_config, demo_batches
 layers = int(sys.argv[1]); region = sys.argv[2] == "1"; nf4 = sys.argv[3] == "1"
 torch.manual_seed(0)
 model = lora_model(tiny_config("qwen2", layers=layers), dropout=0.1, nf4=nf4, dtype=torch.bfloat16 if nf4 else torch.float32)

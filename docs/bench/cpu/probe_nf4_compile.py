@@ -1,7 +1,7 @@
 """Probe: Dynamo-only and poros first-step time, fp32 vs NF4. Usage: probe_nf4_compile.py LAYERS NF4(0|1)."""
 import time, sys, torch
 import poros_fx
-from poros_fx.tools.tiny import lora_model, tiny_config, demo_batches
+from poros_fx.models.tiny import lora_model, tiny_config, demo_batches
 layers = int(sys.argv[1]); nf4 = sys.argv[2] == "1"
 torch.manual_seed(0)
 model = lora_model(tiny_config("qwen2", layers=layers), dropout=0.1, nf4=nf4, dtype=torch.bfloat16 if nf4 else torch.float32)

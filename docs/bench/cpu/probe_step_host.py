@@ -1,7 +1,7 @@
 """Host-overhead proxy: median seconds per training step of a tiny NF4 Qwen2 on the CPU (kernels are tiny)."""
 import statistics, sys, time, torch
 import poros_fx
-from poros_fx.tools.tiny import lora_model, tiny_config, demo_batches
+from poros_fx.models.tiny import lora_model, tiny_config, demo_batches
 layers = int(sys.argv[1])
 torch.manual_seed(0)
 model = lora_model(tiny_config("qwen2", layers=layers), dropout=0.1, nf4=True, dtype=torch.bfloat16)

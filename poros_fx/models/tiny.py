@@ -122,7 +122,7 @@ def qwen25_config(size: str = "0.5b") -> transformers.PretrainedConfig:
     return config
 
 
-# real shapes written from the published sizes (tools/configs/README.md says where each number comes from)
+# real shapes written from the published sizes (models/configs/README.md says where each number comes from)
 SHAPE_CONFIGS = ("qwen3.5-27b", "gemma-4-31b")
 
 

@@ -21,16 +21,16 @@ from .methods import METHODS, Method, State
 from .report import _label, load, md_path, plot_path, save, start_run, upsert
 from . import unsloth
 from .warm import add_warm, cold_cache
-from ...io.loader import estimate_host_bytes
-from ...io.loader import from_config
-from ...io.sizes import block_bytes
-from ...prepare import get_store
-from ...prepare import prepare, unprepare
-from ...options import resolve_device
-from ...stats import stats
-from ..h2d import copy_seconds
-from ..profiling import profile_step
-from ..tiny import SHAPE_CONFIGS, lora_targets, qwen25_config, shape_config, tiny_config
+from ..io.loader import estimate_host_bytes
+from ..io.loader import from_config
+from ..io.sizes import block_bytes
+from ..prepare import get_store
+from ..prepare import prepare, unprepare
+from ..options import resolve_device
+from ..stats import stats
+from .h2d import copy_seconds
+from .profiling import profile_step
+from ..models.tiny import SHAPE_CONFIGS, lora_targets, qwen25_config, shape_config, tiny_config
 
 
 def measure_pinned_h2d(device: str | torch.device = "cuda", mib: int = 512, reps: int = 5) -> float:

@@ -124,7 +124,7 @@ def _warm(row: dict[str, Any]) -> str:
 
 
 def _shapes(rows: list[dict[str, Any]]) -> str:
-    """The rows' models, by name (qwen2.5-*: Qwen2.5 shapes; the others: tools/configs/ or tiny)."""
+    """The rows' models, by name (qwen2.5-*: Qwen2.5 shapes; the others: models/configs/ or tiny)."""
     return f"Random-init models ({', '.join(sorted({r['model'] for r in rows}))})"
 
 

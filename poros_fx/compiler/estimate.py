@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from ..compiler import block_graph
+from . import block_graph
 
 
 @dataclasses.dataclass(frozen=True)

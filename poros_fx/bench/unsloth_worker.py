@@ -1,6 +1,6 @@
 """One Unsloth bench row, in a process of its own: run as a script by path, never imported.
 
-    python poros_fx/tools/bench/unsloth_worker.py --checkpoint DIR --method unsloth_resident --seq 512 \
+    python poros_fx/bench/unsloth_worker.py --checkpoint DIR --method unsloth_resident --seq 512 \
         --accum 1 --steps 10 --warmup 1 --out row.json
 
 Unsloth patches transformers, TRL and torch's checkpointing on import, so ``import unsloth`` must come

@@ -1,8 +1,8 @@
 """The side-by-side benchmark (issue 3): PEFT baselines and poros in one process, one JSON matrix.
 
-    python -m poros_fx.tools.bench --models 7b --json out/bench.json          # on the GPU
+    python -m poros_fx.bench --models 7b --json out/bench.json          # on the GPU
     poros-fx bench --models 0.5b,7b --methods poros --block-sizes 1,2,4 --json out/bench.json
-    python -m poros_fx.tools.bench --device cpu --models tiny --steps 2       # CPU smoke run
+    python -m poros_fx.bench --device cpu --models tiny --steps 2       # CPU smoke run
 
 Methods (``METHODS``): ``peft_resident`` (PEFT LoRA on a bitsandbytes NF4 base, eager),
 ``peft_checkpointing`` (the same + non-reentrant activation checkpointing), ``compiled_resident``
@@ -59,13 +59,13 @@ stops starting rows once exceeded (the one in flight finishes) and says so in th
 ``compile_cold_s``), then the bench runs it again in a second process on that cache
 (``first_step_warm_s``, ``compile_warm_s``).
 
-On the lent H200 run it as ``python3 -m poros_fx.tools.bench`` (the machine may lack typer, which only the
+On the lent H200 run it as ``python3 -m poros_fx.bench`` (the machine may lack typer, which only the
 ``poros-fx`` script needs); put the previous call's JSON at the ``--json`` path to extend it.
 
 Modules: ``methods`` (what a row runs), ``config`` (the command line's choices, the rows planned),
 ``run`` (building the model, measuring a row, the run loop), ``unsloth`` / ``unsloth_worker`` (the
 peer's rows), ``warm`` (compile cold and warm), ``report`` (JSON merging, markdown, plot), ``cli``
-(``python -m poros_fx.tools.bench``).
+(``python -m poros_fx.bench``).
 """
 
 from .config import (DEFAULT_ACCUMS, DEFAULT_BLOCK_SIZES, DEFAULT_CHECKPOINTS, DEFAULT_METHODS, DEFAULT_MODELS,
@@ -73,7 +73,7 @@ from .config import (DEFAULT_ACCUMS, DEFAULT_BLOCK_SIZES, DEFAULT_CHECKPOINTS, D
 from .methods import METHODS, Method, Runner, State
 from .report import load, markdown, merge, plot, ratios, save, start_run, upsert, write_outputs
 from .run import ModelHolder, environment, measure_pinned_h2d, run, run_row
-from .cli import HELP, MODELS_HELP, main, parser
+from .options import HELP, MODELS_HELP, main, parser
 
 __all__ = ["BenchConfig", "METHODS", "Method", "ModelHolder", "RowSpec", "Runner", "State", "environment", "load",
            "main", "make_config", "markdown", "measure_pinned_h2d", "merge", "model_name", "parser", "plan", "plot",

@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Literal, Mapping
 
 from .methods import METHODS, Method, State
-from ...errors import PorosConfigError
-from ...units import parse_size
-from ..tiny import SHAPE_CONFIGS
+from ..errors import PorosConfigError
+from ..units import parse_size
+from ..models.tiny import SHAPE_CONFIGS
 
 NO_CUDA_MESSAGE = "poros-fx bench needs a CUDA GPU; use --device cpu --models tiny for a smoke run"
 SIZES = ("0.5b", "7b", "32b", "72b")
-# the two real shapes of other families (tools/configs/): qwen3.5-27b, gemma-4-31b
+# the two real shapes of other families (models/configs/): qwen3.5-27b, gemma-4-31b
 MODEL_ORDER = ("tiny", *(f"qwen2.5-{s}" for s in SIZES), *SHAPE_CONFIGS)
 DEFAULT_MODELS = "0.5b,7b,32b,72b"
 DEFAULT_METHODS = "peft_resident,peft_checkpointing,poros,poros_resident"

@@ -1,4 +1,4 @@
-"""``python -m poros_fx.tools.bench``: the bench's command line."""
+"""``python -m poros_fx.bench``: the bench's command line."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from .run import run
 DESCRIPTION = "The side-by-side benchmark (issue 3): PEFT baselines and poros in one process, one JSON matrix."
 
 MODELS_HELP = "comma-separated: tiny, 0.5b, 7b, 32b, 72b (Qwen2.5 shapes), qwen3.5-27b, gemma-4-31b"
-# each option's help, shared with `poros-fx bench` (tools/cli.py): one text for the two parsers
+# each option's help, shared with `poros-fx bench` (cli/app.py): one text for the two parsers
 HELP = {
     "models": MODELS_HELP,
     "methods": f"comma-separated: {', '.join(METHODS)}",
@@ -42,7 +42,7 @@ HELP = {
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m poros_fx.tools.bench", description=DESCRIPTION,
+    p = argparse.ArgumentParser(prog="python -m poros_fx.bench", description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=DEFAULT_MODELS, help=HELP["models"])
     p.add_argument("--methods", default=DEFAULT_METHODS, help=HELP["methods"])
@@ -67,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m poros_fx.tools.bench``; returns the exit status (2: no CUDA without --device cpu, bad options)."""
+    """``python -m poros_fx.bench``; returns the exit status (2: no CUDA without --device cpu, bad options)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              profile_dir=args.profile, memory_budget=args.memory_budget,
                              checkpoints=args.checkpoints, unsloth_offload_layers=args.unsloth_offload_layers,
                              compile_warm=args.compile_warm,
-                             command=shlex.join(["python", "-m", "poros_fx.tools.bench", *argv]))
+                             command=shlex.join(["python", "-m", "poros_fx.bench", *argv]))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -44,17 +44,19 @@ from ..runtime.arena import shm_dir, shm_free_bytes
 from ..runtime.budget import estimate
 from ..runtime.depth import LIMIT
 from ..units import format_bytes, parse_size
-from . import bench as harness, exactness_sweep, multi_bench
-from .estimate import lora_bytes, step_memory
-from .evaluation import evaluate
-from .h2d import measure_gpus, measure_ranks
+from .. import bench as harness
+from ..bench import multi_gpu as multi_bench
+from ..exactness import sweep as exactness_sweep
+from ..compiler.estimate import lora_bytes, step_memory
+from ..training.evaluation import evaluate
+from ..bench.h2d import measure_gpus, measure_ranks
 from .kernels import linear_attention_paths
-from .run_config import read_run_config
-from .run_state import claim_out, resume_settings
-from .sources import load_config, model_source, read_data, set_layers
-from .terminal import StepLog, check_writable, console, fail
-from .tiny import demo_batches, lora_targets
-from .train_run import Interrupted, TrainOptions, train as train_run
+from ..training.run_config import read_run_config
+from ..training.run_state import claim_out, resume_settings
+from ..training.sources import load_config, model_source, read_data, set_layers
+from ..training.terminal import StepLog, check_writable, console, fail
+from ..models.tiny import demo_batches, lora_targets
+from ..training.loop import Interrupted, TrainOptions, train as train_run
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="poros-fx: stream a frozen LoRA/QLoRA base "
                   "through the GPU block by block, bit-exact, as a torch.compile backend.")
@@ -109,7 +111,7 @@ DEVICE_OPTION = typer.Option(None, callback=_device, help="cpu or cuda (default:
 def doctor() -> None:
     """Versions, CUDA, ranks, measured pinned host-to-device bandwidth per GPU (alone and all at once),
     shared memory for the multi-GPU host store, and whether backend="poros" resolves. Under torchrun
-    (``torchrun --nproc-per-node N -m poros_fx.tools.cli doctor``) each rank measures its own GPU and rank
+    (``torchrun --nproc-per-node N -m poros_fx.cli.app doctor``) each rank measures its own GPU and rank
     0 prints the table."""
     import importlib.metadata as md
 
@@ -237,7 +239,7 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
 def _check_step(config, family, names: list[str], sizes: list[int], window: int, seq_len: int, batch_size: int,
                 accumulate: int, lora_r: int, memory_budget: Optional[str], loss_chunks: Optional[int] = None,
                 offload_boundaries: bool = False) -> None:
-    """``check``'s estimate of the step (tools/estimate.py) and, with a budget, the plan it would make."""
+    """``check``'s estimate of the step (compiler/estimate.py) and, with a budget, the plan it would make."""
     adapter = lora_bytes(config, family, lora_targets(config.model_type), lora_r)
     console.print(f"LoRA targets (every linear of a decoder layer): {', '.join(lora_targets(config.model_type))}",
                   soft_wrap=True, highlight=False)
@@ -633,7 +635,7 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
                                                                help=harness.HELP["unsloth_offload_layers"]),
           compile_warm: bool = typer.Option(False, "--compile-warm", help=harness.HELP["compile_warm"]),
           nproc: Optional[int] = typer.Option(None, min=1, help="several GPUs: instead, poros on 1 and on NPROC GPUs "
-                                              "and FSDP2 with CPU offload, each a torchrun job (tools/multi_bench.py; "
+                                              "and FSDP2 with CPU offload, each a torchrun job (bench/multi_gpu.py; "
                                               "the first of --models and --seqs; results in the --json path without "
                                               "its suffix)")) -> None:
     """Side-by-side benchmark: PEFT resident / checkpointing / compiled vs poros streamed and resident (JSON, md, PNG)."""

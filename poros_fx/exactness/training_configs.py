@@ -7,7 +7,7 @@ layer patterns), the base (fp32, bf16, NF4 with or without nested quantization s
 or a new one per step, padded batches with an attention mask, labels with -100, ``num_items_in_batch``),
 the surface the user trains through, accumulation (block-major or not), clipping, mode toggles and an
 in-place edit of an adapter weight between steps, a resume mid-run, every poros option, and the
-process's numeric modes. ``configs(device)`` is the Hypothesis strategy; ``tools/config_runs.py`` runs one
+process's numeric modes. ``configs(device)`` is the Hypothesis strategy; ``exactness/config_runs.py`` runs one
 and checks the property (streamed == ``stream=False``, == the eager loop with the eager codegen, or a
 ``PorosError`` before the first optimizer step).
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from .tiny import FAMILY_TARGETS
+from ..models.tiny import FAMILY_TARGETS
 
 FAMILIES = ("qwen2", "llama", "mistral", "qwen3", "gemma3_text", "phi3", "qwen3_5_text", "gemma4_text")
 SURFACES = ("compile", "step", "trainer", "sft")

@@ -1,7 +1,7 @@
 """What a command line names, resolved: models, data files and LoRA targets.
 
 MODEL_OR_CONFIG is a built-in shape (qwen2.5-0.5b, -7b, -32b, -72b; qwen3.5-27b and gemma-4-31b from
-``tools/configs/``), a ``config.json`` or a folder
+``models/configs/``), a ``config.json`` or a folder
 holding one, or a hub id already in the local huggingface cache; nothing is downloaded. A data file is
 tokenized with the tokenizer saved beside the model, when there is one. Shared by check, dump, train
 and eval so that they read a name the same way.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 from ..errors import PorosConfigError
 from ..io.data import load_dataset
 from ..io.loader import resolve_folder
-from .tiny import SHAPE_CONFIGS, lora_targets, qwen25_config, shape_config
+from ..models.tiny import SHAPE_CONFIGS, lora_targets, qwen25_config, shape_config
 
 if TYPE_CHECKING:
     import transformers

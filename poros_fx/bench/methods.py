@@ -10,11 +10,11 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 from torch import nn
 
-from ...prepare import set_trace_options
-from ...families import resolve
-from ...prepare import causal_lm
-from ...prepare import get_store
-from ...runtime.accumulate import block_major
+from ..prepare import set_trace_options
+from ..families import resolve
+from ..prepare import causal_lm
+from ..prepare import get_store
+from ..runtime.accumulate import block_major
 
 COMPILED_RESIDENT_MODELS = ("tiny", "qwen2.5-0.5b", "qwen2.5-7b")  # Inductor on a 32B+ resident base: not asked for
 
@@ -180,7 +180,7 @@ def _poros_budget_saved_graphs(model: nn.Module, block_size: int | None, memory_
 
 
 def _own_process(model: nn.Module, block_size: int | None) -> Runner:
-    raise RuntimeError("an own-process method is measured by tools/bench/unsloth.py, never set up on the shared model")
+    raise RuntimeError("an own-process method is measured by bench/unsloth.py, never set up on the shared model")
 
 
 def _poros_resident(model: nn.Module, block_size: int | None) -> Runner:

@@ -1,9 +1,9 @@
 """The multi-GPU benchmark (issue 15): poros on 1 and on N GPUs of one host, and FSDP2 with CPU offload.
 
-    python -m poros_fx.tools.multi_bench --nproc 2 --model 7b --out out/multi    # on a host with 2 GPUs
-    python -m poros_fx.tools.multi_bench --device cpu --model tiny --nproc 2 --steps 2 --out /tmp/m  # CPU smoke
+    python -m poros_fx.bench.multi_gpu --nproc 2 --model 7b --out out/multi    # on a host with 2 GPUs
+    python -m poros_fx.bench.multi_gpu --device cpu --model tiny --nproc 2 --steps 2 --out /tmp/m  # CPU smoke
 
-Each row is one ``torchrun --standalone --nproc-per-node n -m poros_fx.tools.multi_bench worker ...`` run
+Each row is one ``torchrun --standalone --nproc-per-node n -m poros_fx.bench.multi_gpu worker ...`` run
 (a fresh job, so rows do not share memory or compile caches), with the same recipe: random-init
 Qwen2.5 shape (``from_config``, NF4 by default), LoRA r16 alpha 32 dropout 0.05 on all seven
 projections, AdamW lr 1e-4, ``--batch`` rows of ``--seq`` tokens per rank per step (each rank its own
@@ -23,7 +23,7 @@ the slowest rank's median step), s/step, per-GPU ``max_memory_allocated``, host 
 sum over its ranks of each rank's peak proportional set size, ``Pss`` from ``/proc/self/smaps_rollup``,
 sampled every 0.2 s: shared pages count once, split between the ranks mapping them; an upper bound of
 the host's peak), per-GPU achieved H2D (the poros store's ``bytes_loaded`` in the timed steps over
-their time) and per-GPU pinned H2D with every rank copying at once (``tools/h2d.py``). Nothing here is
+their time) and per-GPU pinned H2D with every rank copying at once (``bench/h2d.py``). Nothing here is
 a timed assertion; the tests check the shape of the results on CPU.
 """
 
@@ -53,7 +53,7 @@ from ..prepare import unprepare
 from ..runtime.share import host_key
 from ..stats import stats
 from .h2d import measure_ranks
-from .tiny import lora_targets, qwen25_config, tiny_config
+from ..models.tiny import lora_targets, qwen25_config, tiny_config
 
 METHODS = ("poros", "fsdp2_offload")
 LOG_TAIL = 3000  # characters of a failed run's output kept in its row (the whole log is in logs/)
@@ -62,7 +62,7 @@ LOG_TAIL = 3000  # characters of a failed run's output kept in its row (the whol
 # -- the launcher ----------------------------------------------------------------------------------
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m poros_fx.tools.multi_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m poros_fx.bench.multi_gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("mode", nargs="?", default="launch", choices=("launch", "worker"),
                    help="launch (the default) runs every row; worker is one rank of one row (torchrun starts it)")
     p.add_argument("--nproc", type=int, default=None, help="processes (GPUs) of the multi-GPU rows (default: every "
@@ -112,7 +112,7 @@ def rows(args: argparse.Namespace) -> list[tuple[str, int]]:
 
 def worker_command(args: argparse.Namespace, method: str, nproc: int, row_json: Path) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "poros_fx.tools.multi_bench", "worker", "--method", method, "--row-json", str(row_json),
+           "-m", "poros_fx.bench.multi_gpu", "worker", "--method", method, "--row-json", str(row_json),
            "--model", args.model, "--quantization", args.quantization, "--seq", str(args.seq),
            "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--device", args.device]
@@ -123,7 +123,7 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
     """Every row, one torchrun job each; the JSON and markdown rewritten after each row."""
     out: Path = args.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {"command": shlex.join([sys.executable, "-m", "poros_fx.tools.multi_bench",
+    doc: dict[str, Any] = {"command": shlex.join([sys.executable, "-m", "poros_fx.bench.multi_gpu",
                                                   *sys.argv[1:]]) if args.mode == "launch" else None,
                            "recipe": {k: getattr(args, k) for k in ("model", "layers", "quantization", "seq", "batch",
                                                                    "steps", "warmup", "device")},

@@ -1,4 +1,4 @@
-"""Run one drawn training configuration (``tools/training_configs.py``) and check the exactness property.
+"""Run one drawn training configuration (``exactness/training_configs.py``) and check the exactness property.
 
 Each configuration is trained three times, every time on a fresh model built from the same seeds:
 streamed, with ``stream=False`` (the guarantee's reference) and, where the regions run the aten graph
@@ -30,8 +30,8 @@ from ..prepare import prepare
 from ..runtime.accumulate import block_major
 from ..step import step as poros_step
 from .parity import Trace, compare, optimizer_step
-from .tiny import add_lora, base_model, tiny_config
-from .tiny_tokenizer import chat_records, tiny_tokenizer
+from ..models.tiny import add_lora, base_model, tiny_config
+from ..models.tiny_tokenizer import chat_records, tiny_tokenizer
 from .training_configs import TrainingConfig
 
 MODES = ("streamed", "stream=False", "eager")

@@ -5,7 +5,7 @@ our in-memory model). ``checkpoint`` writes the bench's random-init model of a s
 weights as our rows (``from_config`` with the bench's seed, no adapter), in bf16 safetensors up to 7B
 (Unsloth quantizes them to NF4 on load, as bitsandbytes does for us), and from 32B on pre-quantized
 bitsandbytes NF4 with its ``quantization_config`` (a bf16 32B does not fit the device's 64 GB disk),
-with the small tokenizer of ``tools/tiny_tokenizer.py`` beside it. ``measure`` runs
+with the small tokenizer of ``models/tiny_tokenizer.py`` beside it. ``measure`` runs
 ``unsloth_worker.py`` on it (by path, with ``UNSLOTH_ENV``) and fills the bench row from the JSON the
 worker writes; an Unsloth that is not installed gives a "skipped" row without writing a checkpoint.
 """
@@ -26,9 +26,9 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from ...io.loader import from_config
-from ...prepare import unprepare
-from ..tiny_tokenizer import tiny_tokenizer
+from ..io.loader import from_config
+from ..prepare import unprepare
+from ..models.tiny_tokenizer import tiny_tokenizer
 from .config import BenchConfig, RowSpec
 
 WORKER = Path(__file__).with_name("unsloth_worker.py")

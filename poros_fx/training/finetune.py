@@ -1,4 +1,4 @@
-"""``FineTuner``: the five-line path, on the same loop as ``poros-fx train`` (``tools/train_run.py``).
+"""``FineTuner``: the five-line path, on the same loop as ``poros-fx train`` (``training/loop.py``).
 
     from poros_fx import FineTuner
 
@@ -24,11 +24,11 @@ from typing import Any, Optional
 
 from torch import nn
 
-from .errors import PorosConfigError, PorosError
-from .tools.run_config import RUN_CONFIG_FILE, write_run_config
-from .tools.run_state import claim_out
-from .tools.sources import model_source, save_tokenizer
-from .tools.train_run import Session, TrainOptions, TrainResult, load_model, train
+from ..errors import PorosConfigError, PorosError
+from .run_config import RUN_CONFIG_FILE, write_run_config
+from .run_state import claim_out
+from .sources import model_source, save_tokenizer
+from .loop import Session, TrainOptions, TrainResult, load_model, train
 
 # keywords of from_pretrained, as the seed spells them, and the option each one sets
 _LOAD_NAMES = {"lora_rank": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",

@@ -1,0 +1,7 @@
+"""``python -m poros_fx.bench``."""
+
+import sys
+
+from .options import main
+
+sys.exit(main())

@@ -1,1 +1,0 @@
-"""Tools beside the pipeline: the CLI, the benchmark, profiling, reports, parity helpers, tiny models."""
