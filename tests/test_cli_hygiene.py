@@ -48,7 +48,7 @@ def test_the_command_knows_every_run_option():
     """The train command's list of run options (kept apart so that `--help` stays quick) is TrainOptions'."""
     import dataclasses
 
-    from poros_fx.cli import app as cli
+    from poros_fx.cli import train as cli
     from poros_fx.training.loop import TrainOptions
 
     assert set(cli._OPTION_NAMES) == {f.name for f in dataclasses.fields(TrainOptions)}

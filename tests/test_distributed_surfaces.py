@@ -1,5 +1,5 @@
 """The surfaces under several ranks (CPU, gloo, 2 processes): ``@poros_fx.step`` with a DDP module,
-``PorosTrainer`` under torch.distributed, and ``torchrun -m poros_fx.cli train``. Per rank streamed ==
+``PorosTrainer`` under torch.distributed, and ``torchrun -m poros_fx train``. Per rank streamed ==
 ``stream=False`` bit for bit, one adapter on every rank. Ranks are started as in test_distributed.py."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_cli_train_under_torchrun(tmp_path, capsys):
     tiny_config("qwen2", layers=2).save_pretrained(tmp_path / "config")
     out = tmp_path / "adapter"
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "poros_fx.cli", "train", "--from-config", str(tmp_path / "config" / "config.json"),
+                          "-m", "poros_fx", "train", "--from-config", str(tmp_path / "config" / "config.json"),
                           "--data", "demo", "--out", str(out), "--steps", "2", "--seq-len", "32", "--device", "cpu"],
                          capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})

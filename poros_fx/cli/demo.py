@@ -19,11 +19,11 @@ import torch
 
 from .. import prepare, stats
 from ..errors import PorosConfigError
-from ..families import VALIDATED
-from ..options import device_problem, parse_prefetch, resolve_device
 from ..exactness.parity import SURFACES, compare, format_diffs, train
-from ..units import format_bytes
+from ..families import VALIDATED
 from ..models.tiny import demo_batches, tiny_lora_model
+from ..options import device_problem, parse_prefetch, resolve_device
+from ..units import format_bytes
 
 
 def _at_least(low: int) -> "argparse._TypeFunc":

@@ -17,7 +17,7 @@ step (warmup, then constant / linear / cosine), ``AdamW.step()``. Every ``eval_e
 ``eval_data`` loss (``evaluation.py``, under ``torch.no_grad()``, dropout off). Each step's metrics go
 to ``OUT/metrics.jsonl`` (``metrics.py``).
 
-Under ``torchrun --nproc-per-node N -m poros_fx.cli.app train ...`` every rank loads the base (one
+Under ``torchrun --nproc-per-node N -m poros_fx train ...`` every rank loads the base (one
 shared host copy per host, ``poros_fx.distributed``), trains through ``DistributedDataParallel`` on
 every N-th micro-batch of the one data order (the global batch is N x ``batch_size`` rows), logs the
 ranks' mean loss, and rank 0 alone prints and saves; the adapter is the same on every rank.
