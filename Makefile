@@ -17,6 +17,7 @@ demo: setup
 	$(BIN)/python -m poros_fx
 
 test: setup
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=15
 
 test-gpu: setup

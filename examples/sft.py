@@ -1,4 +1,4 @@
-"""TRL's ``SFTTrainer`` on chat data, the model streamed by poros: ``poros_fx.hf.PorosSFTTrainer``.
+"""TRL's ``SFTTrainer`` on chat data, the model streamed by poros: ``poros_fx.PorosSFTTrainer``.
 
     pip install poros-fx[trl]
     python examples/sft.py                   # CPU: a tiny model and tokenizer built here, 4 steps
@@ -14,7 +14,7 @@ import peft
 import torch
 import trl
 
-from poros_fx.hf import PorosSFTTrainer
+from poros_fx import PorosSFTTrainer
 from poros_fx.models.tiny import lora_targets, tiny_config
 from poros_fx.io.loader import from_config
 from poros_fx.models.tiny_tokenizer import chat_records, tiny_tokenizer

@@ -26,7 +26,7 @@ def main() -> None:
         losses = train_step(model, batches[2 * step:2 * step + 2])
         opt.step()
         opt.zero_grad()
-        print(f"step {step}: loss {sum(l.item() for l in losses):.4f}")
+        print(f"step {step}: loss {sum(loss.item() for loss in losses):.4f}")
     s = poros_fx.stats(model)
     print(f"peak resident base {s['peak_resident_base_bytes']} of {s['host_bytes']} bytes, "
           f"recomputed blocks {s['recomputed_blocks']}")

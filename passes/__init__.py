@@ -5,7 +5,7 @@ joint forward+backward graph, partitions it (min-cut with the recompute tags whe
 default partition otherwise), then runs ``GRAPH_PASSES`` on the forward and on the backward graph.
 An inference graph (no grad: AOTAutograd compiles a forward only, with no joint graph) first goes
 through ``INFERENCE_PASSES``. ``lower_regions`` runs ``REGION_PASSES`` once on each region's own
-forward and backward graphs (a decoder layer, ``poros_fx/compiler/regions.py``) before compiling it
+forward and backward graphs (a decoder layer, ``poros_fx/compiler/regions/``) before compiling it
 (the 4-bit matmul lowering; with the eager codegen, views that real kernels' strides may refuse become
 reshapes, and dropout's gradient on the CPU is eager's ``grad * noise``). ``capture_regions`` comes
 last: with ``options={"cuda_graphs": True}`` the region calls go

@@ -1,6 +1,6 @@
 """Lower regions: point every ``poros.region`` / ``poros.region_backward`` call at its compiled region.
 
-A decoder layer reached the graph as one ``poros::region`` op (``poros_fx/compiler/regions.py``).
+A decoder layer reached the graph as one ``poros::region`` op (``poros_fx/compiler/regions/``).
 This pass finds the region each call belongs to, runs ``REGION_PASSES`` (``schedule.region_passes``,
 set by the backend from the pipeline) on the region's own graphs the first time (the 4-bit matmul lowering), compiles the region for the schedule's ``codegen`` once
 (``"inductor"``: fused kernels; ``"eager"``: its aten graph as is) and makes the node call that code

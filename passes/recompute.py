@@ -39,8 +39,9 @@ from poros_fx.loss import CHUNK, SAVE
 from .block_partition import BLOCK, FORWARD
 from .prefetch import chunk_of
 
-BOUNDARY = "poros_boundary"  # meta of the clone that carries a block's output to later blocks
 from .residency import aliases
+
+BOUNDARY = "poros_boundary"  # meta of the clone that carries a block's output to later blocks
 
 
 def recompute(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:

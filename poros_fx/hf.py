@@ -33,7 +33,7 @@ from torch import nn
 from .distributed import ignore_host_store, no_ddp_optimizer
 from .errors import PorosConfigError
 from .handles import CHECKPOINTING_MESSAGE, ENTRY_ATTR, get_store
-from .options import AUTO, PorosOptions
+from .options import TRAINER_DEFAULTS, given_options, prepare_options
 from .prepare import prepare, set_trace_options
 from .runtime import accumulate as accumulation
 from .runtime.lengths import mark_dynamic
@@ -42,12 +42,12 @@ from .runtime.lengths import mark_dynamic
 class PorosTrainer(transformers.Trainer):
     """``transformers.Trainer`` with the model's forward compiled by the ``poros`` backend.
 
-    ``poros_options``: the backend's ``options`` (``block_size``, ``prefetch``, ``stream``, ``dump``,
-    ``codegen``, ``memory_budget``, ``chunked_loss``, ``offload_boundaries``, ``save_activations``, ``cuda_graphs``,
-    ``least_memory``) plus ``device``, the compute device for ``poros_fx.prepare`` (default: ``args.device``). A model
-    that is not prepared yet is prepared with ``device``, ``block_size`` and ``prefetch`` (default 1
-    and ``"auto"``); a prepared one keeps its store, and ``block_size`` / ``prefetch`` here regroup the
-    compiled graph only. Under ``torchrun`` / ``accelerate launch`` (``args.world_size > 1``) the host store
+    ``poros_options``: the backend's ``options`` (``options.PorosOptions``: ``block_size``, ``prefetch``,
+    ``stream``, ``codegen``, ``memory_budget``, ``chunked_loss``, ``offload_boundaries``, ``save_activations``,
+    ``cuda_graphs``, ``least_memory``, ...) plus ``device``, the compute device for ``poros_fx.prepare``
+    (default: ``args.device``). A model that is not prepared yet is prepared with ``device`` and the options
+    ``prepare`` takes; a prepared one keeps its store, and the options here override its settings at
+    compile time (``block_size`` regroups the compiled graph only). Under ``torchrun`` / ``accelerate launch`` (``args.world_size > 1``) the host store
     goes on DDP's ignore list before the Trainer wraps the model, the compiled wrapper is the Trainer's
     ``DistributedDataParallel`` module, and its forward runs with Dynamo's DDPOptimizer off
     (docs/distributed.md); load the model after ``TrainingArguments`` (which starts torch.distributed) for
@@ -59,11 +59,13 @@ class PorosTrainer(transformers.Trainer):
     def __init__(self, *args: Any, poros_options: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
         options = dict(poros_options or {})
         device = options.pop("device", None)
-        PorosOptions.from_dict(options)  # bad options raise here, not at the first step
+        options = given_options(options)  # bad options raise here, not at the first step
+        self._poros_prepare_options = prepare_options(options)  # what the user gave, not the trainer's default
         model = kwargs.get("model", args[0] if args else None)
         if "memory_budget" not in options and not options.get("least_memory") and \
                 getattr(get_store(model), "budget_request", None) is None:
-            options["memory_budget"] = AUTO  # a trainer keeps what fits on the device (prepare's budget wins)
+            # a trainer keeps what fits on the device (prepare's budget wins)
+            options["memory_budget"] = TRAINER_DEFAULTS["memory_budget"]
         # set before Trainer.__init__: it calls _move_model_to_device, which prepares the model
         self.poros_options: dict[str, Any] = options
         self.poros_device: str | torch.device | None = device
@@ -81,8 +83,7 @@ class PorosTrainer(transformers.Trainer):
         """``model`` with its frozen base in the host store (``poros_fx.prepare``, unless it already is)."""
         if get_store(model) is None:
             device = self.poros_device if self.poros_device is not None else self.args.device
-            prepare(model, device=device, block_size=self.poros_options.get("block_size", 1),
-                    prefetch=self.poros_options.get("prefetch", AUTO))
+            prepare(model, device=device, **self._poros_prepare_options)
         if self.args.world_size > 1:
             ignore_host_store(model)  # before accelerate wraps it in DistributedDataParallel
         return model
@@ -192,11 +193,3 @@ def checkpointing_off(args: transformers.TrainingArguments) -> None:
     if hasattr(args, "activation_checkpointing"):
         args.activation_checkpointing = False
 
-
-def __getattr__(name: str) -> Any:
-    # PorosSFTTrainer subclasses trl.SFTTrainer: trl is an optional extra (poros-fx[trl]), imported on first use
-    if name == "PorosSFTTrainer":
-        from .sft import PorosSFTTrainer  # lazy: trl
-
-        return PorosSFTTrainer
-    raise AttributeError(f"module 'poros_fx.hf' has no attribute {name!r}")

@@ -1,12 +1,15 @@
-"""The options every surface takes, and their checks: the ``options=`` dict of ``torch.compile(...,
-backend="poros", options=...)``, ``block_size`` / ``prefetch`` / ``codegen`` / ``device`` as ``prepare``,
-the loaders and the CLI take them."""
+"""The streaming options, declared once (``PorosOptions``: each field's type, default, check and help),
+and what the surfaces derive from them: ``torch.compile(..., backend="poros", options=...)``,
+``prepare()`` and the loaders (``PREPARE_DEFAULTS``), ``@poros_fx.step``, the trainers' ``poros_options``,
+``FineTuner``, ``poros-fx train``'s flags, ``run.toml`` and ``--resume``'s comparison
+(``SAME_BITS_OPTIONS``). Also the device and codegen helpers every surface shares."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -86,62 +89,116 @@ def device_problem(text: str) -> str | None:
     return None
 
 
-# what least_memory leaves each of these options at (values a user may also give)
-LEAST_MEMORY_OFF: dict[str, tuple[Any, ...]] = {"cuda_graphs": (None, False), "memory_budget": (None,),
-                                                "save_activations": (0,)}
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise PorosConfigError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_optional_bool(name: str, value: Any) -> None:
+    if value is not None:
+        _check_bool(name, value)
+
+
+def _check_block_size(name: str, value: Any) -> None:
+    if value is not None:
+        check_block_options(value, 0)
+
+
+def _check_prefetch(name: str, value: Any) -> None:
+    if value is not None:
+        check_block_options(1, value)
+
+
+def _check_codegen(name: str, value: Any) -> None:
+    check_codegen(value)
+
+
+def _check_budget(name: str, value: Any) -> None:
+    check_budget_option(value)
+
+
+def _check_dump(name: str, value: Any) -> None:
+    if value is not None and not isinstance(value, (str, os.PathLike)):
+        raise PorosConfigError(f"dump must be a folder path, got {value!r}")
+
+
+def _check_save_activations(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PorosConfigError(f"save_activations must be an integer >= 0 (the last N decoder-layer blocks keep "
+                               f"their activations instead of recomputing them), got {value!r}")
+
+
+_COMPILE_ONLY = object()  # an option prepare() does not take
+
+
+def _option(default: Any, help: str, check: Callable[[str, Any], None], *, prepare: Any = _COMPILE_ONLY,
+            same_bits: bool = True) -> Any:
+    """One option's declaration. ``help``: what it does, for docstrings and the command line; ``check``
+    refuses a bad value with what to do; ``prepare``: the default of ``prepare()`` and the loaders, which
+    take it too (the model keeps it; the option given at compile time overrides it); ``same_bits``:
+    changing it leaves every bit of the result as it is (a resumed run may change it)."""
+    return dataclasses.field(default=default, metadata={"help": help, "check": check, "prepare": prepare,
+                                                        "same_bits": same_bits})
 
 
 @dataclasses.dataclass(frozen=True)
 class PorosOptions:
-    block_size: int | None = None  # None: what prepare() was given
-    prefetch: int | str | None = None  # None: what prepare() was given (default "auto": measured, runtime/depth.py)
-    stream: bool = True  # False: base resident, nothing recomputed (the parity reference)
-    dump: str | None = None  # folder for graph dumps; POROS_FX_DUMP when not given
-    group_copies: bool = True  # False: one copy (and allocation) per tensor instead of one per block; for A/B runs
-    codegen: str | None = None  # "inductor" | "eager": how regions run; None: what prepare() was given
-    # a training forward's last blocks stay for the backward, a backward's for the next forward (False: evict
-    # and reload)
-    turnaround: bool = True
-    # device bytes the step may use ("24GB", or "auto": what the device has free at the first step, less a
-    # margin: runtime/budget.py); None: what prepare() was given
-    memory_budget: int | str | None = None
-    block_major: bool | None = None  # an accumulation step's micro-batches go through each block together
-    # (runtime/accumulate.py); None: what prepare() was given (default True)
-    chunked_loss: bool | None = None  # head + loss in vocabulary chunks (loss.py); None: what the model has
-    # (prepare(chunked_loss=...)); the model's forward reads it, so it must be set before tracing
-    # (prepare.set_trace_options)
-    offload_boundaries: bool | None = None  # saved block outputs wait in host memory (passes/offload.py);
-    # None: what prepare() was given (default False)
-    save_activations: int = 0  # the last N decoder-layer blocks keep their activations for the backward
-    # instead of recomputing them (passes/recompute.py); their base is still reloaded for the backward
-    # region calls captured in CUDA graphs and replayed (runtime/cuda_graphs.py); None: on where the step
-    # computes on CUDA and graphs keep the guarantee (cuda_graphs_choice)
-    cuda_graphs: bool | None = None
-    # the plan that holds the least device memory: every block streams every step, no CUDA graphs (their
-    # pool and load slots), nothing saved instead of recomputed
-    least_memory: bool = False
+    """The streaming options, declared once. ``torch.compile(..., backend="poros", options=...)``,
+    ``@poros_fx.step(...)``, the trainers' ``poros_options``, ``FineTuner``, ``poros-fx train``'s flags and
+    a run's ``run.toml`` take these names; ``prepare()`` and the loaders take those marked ``prepare``.
+    ``None`` where an option is set at prepare: what the model was prepared with."""
+
+    block_size: int | None = _option(None, "decoder layers streamed together as one block (default 1)",
+                                     _check_block_size, prepare=1)
+    prefetch: int | str | None = _option(
+        None, "blocks loaded ahead of the one computing: an integer >= 0, or 'auto' (the default: one in the "
+        "forward, the backward's depth measured in the first forward)", _check_prefetch, prepare=AUTO)
+    stream: bool = _option(True, "False: the base stays on the device and nothing is recomputed (the "
+                           "exactness reference)", _check_bool)
+    dump: str | None = _option(None, f"folder for graph dumps after every pass ({DUMP_ENV} when not given)",
+                               _check_dump)
+    group_copies: bool = _option(True, "False: one copy per tensor instead of one per block (for A/B runs)",
+                                 _check_bool)
+    codegen: str | None = _option(
+        None, "how decoder-layer regions run: 'inductor' (fused kernels) or 'eager' (aten calls, equal to the "
+        "eager loop); default: inductor on CUDA, eager on the CPU", _check_codegen, prepare=None, same_bits=False)
+    turnaround: bool = _option(True, "a training forward's last blocks stay for the backward, a backward's for "
+                               "the next forward (False: evict and reload)", _check_bool)
+    memory_budget: int | str | None = _option(
+        None, "device memory the step may use ('24GB', bytes, or 'auto': what the device has free at the first "
+        "step, less a margin); after the first step the blocks that fit stay resident. None: every block "
+        "streams every step", _check_budget, prepare=None)
+    block_major: bool | None = _option(
+        None, "with gradient accumulation, each block runs all the step's micro-batches while it is loaded "
+        "(default True; the same bits as micro-batch after micro-batch)", _check_optional_bool, prepare=True)
+    chunked_loss: bool | None = _option(
+        None, "a training forward with labels computes the head and the loss a vocabulary chunk at a time: never "
+        "the whole logits (not bitwise HF's loss; default False)", _check_optional_bool, prepare=False,
+        same_bits=False)
+    offload_boundaries: bool | None = _option(
+        None, "the hidden states saved between blocks wait in host memory until the backward needs them "
+        "(default False)", _check_optional_bool, prepare=False)
+    save_activations: int = _option(
+        0, "the last N decoder-layer blocks keep their activations for the backward instead of recomputing them "
+        "(memory for time; the same bits)", _check_save_activations)
+    cuda_graphs: bool | None = _option(
+        None, "replay each decoder layer's kernels from CUDA graphs (the same bits, a graph memory pool on top); "
+        "default: on where the step computes on CUDA and graphs keep the guarantee", _check_optional_bool)
+    least_memory: bool = _option(
+        False, "the plan that holds the least device memory: every block streams every step, no CUDA graphs, "
+        "nothing saved instead of recomputed", _check_bool)
 
     @classmethod
-    def from_dict(cls, options: dict[str, Any] | None) -> "PorosOptions":
+    def from_dict(cls, options: Mapping[str, Any] | None) -> "PorosOptions":
         options = dict(options or {})
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(known))
         if unknown:
             raise PorosConfigError(f"unknown poros option(s) {unknown}; known options: {sorted(known)}")
+        for f in dataclasses.fields(cls):
+            if f.name in options:
+                f.metadata["check"](f.name, options[f.name])
         opts = cls(**options)
-        check_block_options(1 if opts.block_size is None else opts.block_size,
-                            0 if opts.prefetch is None else opts.prefetch)
-        check_codegen(opts.codegen)
-        check_budget_option(opts.memory_budget)
-        for name in ("stream", "group_copies", "turnaround", "least_memory"):
-            if not isinstance(getattr(opts, name), bool):
-                raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")
-        for name in ("block_major", "chunked_loss", "offload_boundaries", "cuda_graphs"):
-            if getattr(opts, name) is not None and not isinstance(getattr(opts, name), bool):
-                raise PorosConfigError(f"{name} must be True or False, got {getattr(opts, name)!r}")
-        if isinstance(opts.save_activations, bool) or not isinstance(opts.save_activations, int) or opts.save_activations < 0:
-            raise PorosConfigError(f"save_activations must be an integer >= 0 (the last N decoder-layer blocks keep "
-                                   f"their activations instead of recomputing them), got {opts.save_activations!r}")
         if opts.least_memory:
             asked = [f"{name}={getattr(opts, name)!r}" for name, off in LEAST_MEMORY_OFF.items()
                      if getattr(opts, name) not in off]
@@ -151,6 +208,48 @@ class PorosOptions:
         if opts.dump is None and os.environ.get(DUMP_ENV):
             opts = dataclasses.replace(opts, dump=os.environ[DUMP_ENV])
         return opts
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(PorosOptions))
+# the options prepare() and the loaders take (the model keeps them as its defaults)
+PREPARE_DEFAULTS: Mapping[str, Any] = MappingProxyType(
+    {f.name: f.metadata["prepare"] for f in dataclasses.fields(PorosOptions) if f.metadata["prepare"] is not _COMPILE_ONLY})
+# the options a run may change when it is resumed: none touches a bit of the result
+SAME_BITS_OPTIONS = tuple(f.name for f in dataclasses.fields(PorosOptions) if f.metadata["same_bits"])
+# where the trainers and `poros-fx train` differ from prepare's defaults: a trainer keeps what fits
+TRAINER_DEFAULTS: Mapping[str, Any] = MappingProxyType({"memory_budget": AUTO})
+# what least_memory leaves each of these options at (values a user may also give)
+LEAST_MEMORY_OFF: Mapping[str, tuple[Any, ...]] = MappingProxyType(
+    {"cuda_graphs": (None, False), "memory_budget": (None,), "save_activations": (0,)})
+
+
+def option_help(name: str) -> str:
+    """What option ``name`` does, as its declaration says."""
+    return next(f.metadata["help"] for f in dataclasses.fields(PorosOptions) if f.name == name)
+
+
+def given_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` checked (unknown names and bad values raise ``PorosConfigError``), without the ones left
+    at ``None`` (not given)."""
+    PorosOptions.from_dict({k: v for k, v in options.items() if v is not None})
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def prepare_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The given options ``prepare()`` takes too, for a surface that prepares a model itself."""
+    return {k: v for k, v in options.items() if k in PREPARE_DEFAULTS and v is not None}
+
+
+def prepare_settings(options: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``prepare()`` and the loaders were given, checked, with their defaults for the rest. An option
+    that is set at compile time is refused with where it goes."""
+    later = sorted(set(options) & (set(OPTION_NAMES) - set(PREPARE_DEFAULTS)))
+    if later:
+        raise PorosConfigError(f"{', '.join(later)} is set when the model is compiled, not prepared: pass it to "
+                               f"torch.compile(model, backend='poros', options={{...}}), @poros_fx.step(...) or the "
+                               f"trainers' poros_options")
+    PorosOptions.from_dict(options)
+    return {**PREPARE_DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
 
 
 def cuda_graphs_choice(opts: PorosOptions, device: torch.device, offload_boundaries: bool) -> tuple[bool, str]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import weakref
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ from .families import Family, layer_list, resolve
 from .handles import ENTRY_ATTR, STORE_ATTR, causal_lm, check_no_checkpointing, get_store, unwrap
 from .host_modules import (QS_BUFFERS, gathers_here, head_rows, is_linear4bit, poros_class, quant_state_tensors, restore_class,
                            set_quant_state)
-from .options import AUTO, check_block_options, check_budget_option, check_codegen, default_codegen, resolve_device
+from .options import default_codegen, prepare_settings, resolve_device
 from .report import report
 from .runtime.arena import HostArena, aligned
 from .runtime.budget import resolve_budget
@@ -81,51 +81,34 @@ def head_chunk_count(nbytes: int, rows: int, requested: int | None = None) -> in
     return 1 if nbytes <= 2 * HEAD_CHUNK_BYTES else min(rows, -(-nbytes // HEAD_CHUNK_BYTES))
 
 
-def prepare(model: nn.Module, device: str | torch.device | None = None, block_size: int = 1,
-            prefetch: int | str = AUTO,
-            *, family: Family | str | None = None, head_chunks: int | None = None, codegen: str | None = None,
-            regions: bool = True, memory_budget: int | str | None = None, block_major: bool = True,
-            chunked_loss: bool = False, offload_boundaries: bool = False,
-            _arena: HostArena | None = None) -> nn.Module:
+def prepare(model: nn.Module, device: str | torch.device | None = None, *, family: Family | str | None = None,
+            head_chunks: int | None = None, regions: bool = True, _arena: HostArena | None = None,
+            **options: Any) -> nn.Module:
     """Move the frozen base of ``model`` into a host store; returns ``model`` (changed in place).
 
     ``device`` is the compute device (``None``: CUDA when present, else CPU); what is not frozen base
     (the adapter's trainable parameters, with their gradients, and the buffers, e.g. rotary
     ``inv_freq``) is moved there, as ``model.to(device)`` would move it (``unprepare`` leaves it
-    there). ``block_size`` decoder layers are streamed together; ``prefetch`` blocks are loaded ahead of the one computing (``"auto"``:
-    one in the forward; the backward's depth comes from the forward's measured copy and compute times).
-    ``family`` registers an architecture that is not validated (``poros_fx.user_asserted(...)``), or
-    names a validated one (``"qwen2"``, see ``poros_fx.VALIDATED``).
+    there). ``family`` registers an architecture that is not validated (``poros_fx.user_asserted(...)``),
+    or names a validated one (``"qwen2"``, see ``poros_fx.VALIDATED``).
     Gradient checkpointing must be off (``PorosConfigError`` otherwise): the backend recomputes each
     block itself.
     ``head_chunks``: row chunks the lm_head weight is loaded in (``None``: one up to 512 MiB, chunks of
     about 256 MiB above, so a 32B/72B head, 1.6/2.5 GB in bf16, is never resident whole). Chunked, the
     logits are ``cat`` of per-chunk matmuls: exact against ``stream=False`` (same graph), but no longer
     bitwise equal to an eager run's single matmul (its backward sums the chunks' products).
-    ``codegen``: how compiled regions run, ``"inductor"`` (fused kernels) or ``"eager"`` (the aten
-    graph, equal to the eager loop); ``None``: the default for the device (``default_codegen``).
     ``regions``: each decoder layer becomes one compiled region under ``torch.compile``, traced once per
-    distinct layer structure (``compiler/regions.py``); ``False`` traces every layer into the step's
-    graph (the path before regions, for an architecture the region tracer cannot take).
-    ``memory_budget``: device bytes the step may use (``"24GB"``, or an int; ``"auto"``: what the device
-    has free now, less a margin, ``runtime/budget.resolve_budget``); the first step streams everything
-    and measures its peak, then the blocks that fit in the rest stay resident (loaded once, never
-    reloaded; ``runtime/budget.py``). ``None``: stream every block, every step.
-    ``block_major``: gradient accumulation inside ``poros_fx.block_major`` (``@poros_fx.step(accumulate=N)``,
-    ``PorosTrainer``, ``poros-fx train --accumulate``) runs each block for all micro-batches of the step
-    while it is loaded (``runtime/accumulate.py``); ``False``: micro-batch after micro-batch.
-    ``chunked_loss``: a training forward with ``labels`` computes the head and the loss a vocabulary
-    chunk at a time (``loss.py``: never the whole logits; ``logits`` is ``None`` in its output; the loss is
-    not bitwise HF's, see there). ``offload_boundaries``: the hidden states saved between blocks for the
-    backward wait in host memory (``passes/offload.py``).
+    distinct layer structure (``compiler/regions/``); ``False`` traces every layer into the step's graph
+    (for an architecture the region tracer cannot take).
+    ``options``: the streaming options set at prepare (``options.PREPARE_DEFAULTS``: ``block_size``,
+    ``prefetch``, ``codegen``, ``memory_budget``, ``block_major``, ``chunked_loss``,
+    ``offload_boundaries``), each as ``options.PorosOptions`` declares it; the model keeps them, and the
+    same option given at compile time overrides them.
     """
-    check_block_options(block_size, prefetch)
-    for name, value in (("block_major", block_major), ("chunked_loss", chunked_loss),
-                        ("offload_boundaries", offload_boundaries)):
-        if not isinstance(value, bool):
-            raise PorosConfigError(f"{name} must be True or False, got {value!r}")
-    check_budget_option(memory_budget)
-    codegen = check_codegen(codegen)
+    settings = prepare_settings(options)
+    block_size, prefetch, codegen = settings["block_size"], settings["prefetch"], settings["codegen"]
+    memory_budget, block_major = settings["memory_budget"], settings["block_major"]
+    chunked_loss, offload_boundaries = settings["chunked_loss"], settings["offload_boundaries"]
     device = resolve_device(device)
     if hasattr(model, "_orig_mod"):
         raise PorosConfigError("prepare the model before torch.compile: poros_fx.prepare(model) then torch.compile(model, backend='poros')")
@@ -236,7 +219,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, block_si
 
 def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
     """Each decoder layer gets a class whose forward is one ``poros::region`` call under torch.compile
-    (``compiler/regions.py``), and the store a table of the regions traced from them."""
+    (``compiler/regions/``), and the store a table of the regions traced from them."""
     store.regions = RegionTable(list(layers))
     hosts = {id(e.host) for e in store.entries.values()}
     classes: dict[type, type] = {}
@@ -277,7 +260,7 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
 
 def _list_tensors(layer: nn.Module, hosts: set[int]) -> None:
     """The layer's tensors as plain lists, in ``regions.state`` order: Dynamo reads them far faster than
-    ``named_parameters()`` (compiler/regions.py). Host tensors (``hosts``: their ids) are loaded."""
+    ``named_parameters()`` (compiler/regions/). Host tensors (``hosts``: their ids) are loaded."""
     check_no_dora_on_nf4(layer)  # an adapter attached after prepare comes through here too
     tensors = [t for _, t in regions_state(layer)]
     layer._poros_modules, layer._poros_adapters = mode_modules(layer)

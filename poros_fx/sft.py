@@ -1,6 +1,6 @@
 """``PorosSFTTrainer``: TRL's ``SFTTrainer`` with the model's decoder stack streamed by the poros backend.
 
-Imported lazily (``poros_fx.hf.PorosSFTTrainer``, ``poros_fx.PorosSFTTrainer``): it needs the optional
+Imported lazily (``poros_fx.PorosSFTTrainer``): it needs the optional
 ``trl`` package (``pip install poros-fx[trl]``).
 
 What TRL does and why it needs care. ``SFTTrainer`` replaces the causal LM's ``forward`` with a fused

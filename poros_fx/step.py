@@ -37,7 +37,7 @@ from torch import nn
 from .distributed import no_ddp_optimizer
 from .errors import PorosConfigError
 from .handles import check_no_checkpointing, get_store
-from .options import AUTO, PorosOptions
+from .options import given_options, prepare_options
 from .prepare import prepare, set_trace_options
 from .runtime import accumulate as accumulation
 from .runtime.lengths import mark_dynamic
@@ -59,24 +59,15 @@ class PorosStep(Generic[P, R]):
     return values. The losses are not rescaled: a function that wants the mean divides by N itself.
 
     ``nn.Module`` arguments without any parameter (a loss module, say) are passed through unchanged.
-    A prepared model keeps the settings it was prepared with; ``block_size`` / ``prefetch`` given here
-    then override them at compile time (``torch.compile`` ``options``), as they would by hand.
+    A prepared model keeps the settings it was prepared with; the options given here override them at
+    compile time (``torch.compile`` ``options``), as they would by hand.
     """
 
-    def __init__(self, fn: Callable[P, R], *, accumulate: int | None = None, block_size: int | None = None,
-                 prefetch: int | str | None = None, stream: bool = True, dump: str | None = None,
-                 codegen: str | None = None, device: str | torch.device | None = None,
-                 memory_budget: int | str | None = None, block_major: bool | None = None,
-                 chunked_loss: bool | None = None, offload_boundaries: bool | None = None,
-                 save_activations: int | None = None, cuda_graphs: bool | None = None, least_memory: bool | None = None) -> None:
+    def __init__(self, fn: Callable[P, R], *, accumulate: int | None = None,
+                 device: str | torch.device | None = None, **options: Any) -> None:
         if accumulate is not None and (isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1):
             raise PorosConfigError(f"accumulate must be an integer >= 1 (micro-batches per call), got {accumulate!r}")
-        given = {"block_size": block_size, "prefetch": prefetch, "dump": dump, "codegen": codegen,
-                 "memory_budget": memory_budget, "block_major": block_major, "chunked_loss": chunked_loss,
-                 "offload_boundaries": offload_boundaries, "save_activations": save_activations,
-                 "cuda_graphs": cuda_graphs, "least_memory": least_memory}
-        options: dict[str, Any] = {"stream": stream, **{k: v for k, v in given.items() if v is not None}}
-        PorosOptions.from_dict(options)  # bad options raise here, at decoration, not at the first step
+        options = {"stream": True, **given_options(options)}  # bad options raise here, at decoration
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.accumulate = accumulate
@@ -116,8 +107,7 @@ class PorosStep(Generic[P, R]):
                                        "before wrapping it (poros_fx.prepare(model), or load_pretrained / from_config, "
                                        "then poros_fx.distributed.data_parallel(model)); DDP made over the unprepared "
                                        "model holds the whole frozen base as its parameters")
-            prepare(module, device=self.device, block_size=self.options.get("block_size", 1),
-                    prefetch=self.options.get("prefetch", AUTO))
+            prepare(module, device=self.device, **prepare_options(self.options))
         else:  # prepare checked an unprepared model; this one may have had checkpointing switched on since
             check_no_checkpointing(inner)
         store = get_store(inner)
@@ -229,36 +219,21 @@ def step(fn: Callable[P, R], /) -> PorosStep[P, R]: ...
 
 
 @overload
-def step(*, accumulate: int | None = None, block_size: int | None = None, prefetch: int | str | None = None,
-         stream: bool = True, dump: str | None = None, codegen: str | None = None,
-         device: str | torch.device | None = None, memory_budget: int | str | None = None,
-         block_major: bool | None = None, chunked_loss: bool | None = None,
-         offload_boundaries: bool | None = None,
-         save_activations: int | None = None,
-         cuda_graphs: bool | None = None, least_memory: bool | None = None) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
+def step(*, accumulate: int | None = None, device: str | torch.device | None = None,
+         **options: Any) -> Callable[[Callable[P, R]], PorosStep[P, R]]: ...
 
 
-def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, block_size: int | None = None,
-         prefetch: int | str | None = None, stream: bool = True, dump: str | None = None, codegen: str | None = None,
-         device: str | torch.device | None = None, memory_budget: int | str | None = None,
-         block_major: bool | None = None, chunked_loss: bool | None = None,
-         offload_boundaries: bool | None = None,
-         save_activations: int | None = None,
-         cuda_graphs: bool | None = None, least_memory: bool | None = None) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
+def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None,
+         device: str | torch.device | None = None,
+         **options: Any) -> PorosStep[P, R] | Callable[[Callable[P, R]], PorosStep[P, R]]:
     """Decorate a training-step function so its model arguments are streamed by poros.
 
-    ``@step`` or ``@step(accumulate=N, block_size=..., prefetch=..., stream=..., dump=..., codegen=...,
-    device=..., memory_budget=..., block_major=...)``. ``block_size``, ``prefetch``, ``stream``, ``dump``,
-    ``codegen`` (``"inductor"`` | ``"eager"``), ``memory_budget`` (``"24GB"``: blocks that fit stay resident,
-    ``runtime/budget.py``), ``block_major``, ``chunked_loss`` (head and loss in vocabulary chunks, set on the
-    model before it is traced: ``poros_fx/loss.py``) and ``offload_boundaries`` (saved block outputs in host
-    memory: ``passes/offload.py``) and ``save_activations`` (the last N layer blocks keep their activations
-    instead of recomputing them: ``passes/recompute.py``) and ``cuda_graphs`` (region calls replayed from CUDA
-    graphs: ``runtime/cuda_graphs.py``; on by default on CUDA, not in block-major steps) and ``least_memory``
-    (every block streamed, no graphs: the least device memory) are the backend's ``options``;
-    ``device`` (and
-    ``block_size`` / ``prefetch``) go to ``poros_fx.prepare`` for a model that is not prepared yet
-    (unset: prepare's defaults, ``block_size=1``, ``prefetch="auto"``).
+    ``@step`` or ``@step(accumulate=N, device=..., **options)``. ``options`` are the backend's
+    (``options.PorosOptions``: ``block_size``, ``prefetch``, ``stream``, ``codegen``, ``memory_budget``,
+    ``block_major``, ``chunked_loss``, ``offload_boundaries``, ``save_activations``, ``cuda_graphs``,
+    ``least_memory``, ...), checked at decoration. A model that is not prepared yet is prepared on the
+    first call with ``device`` and the options ``prepare`` takes (``options.PREPARE_DEFAULTS`` for the
+    rest).
     With ``accumulate=N`` the call takes a list of N micro-batches and returns the list of the N
     results; the function is called on each in order and the decorator does not rescale the loss.
     Streamed, the N micro-batches run block-major (``runtime/accumulate.py``: each block loaded once
@@ -278,11 +253,10 @@ def step(fn: Callable[P, R] | None = None, /, *, accumulate: int | None = None, 
         optimizer.step()
         optimizer.zero_grad()
     """
+    given_options(options)  # a misspelled option raises where it is written, before a function is decorated
+
     def decorate(f: Callable[P, R]) -> PorosStep[P, R]:
-        return PorosStep(f, accumulate=accumulate, block_size=block_size, prefetch=prefetch, stream=stream,
-                         dump=dump, codegen=codegen, device=device, memory_budget=memory_budget,
-                         block_major=block_major, chunked_loss=chunked_loss, offload_boundaries=offload_boundaries,
-                         save_activations=save_activations, cuda_graphs=cuda_graphs, least_memory=least_memory)
+        return PorosStep(f, accumulate=accumulate, device=device, **options)
 
     if fn is not None:
         if not callable(fn):

@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 import trl  # noqa: E402
 
-from poros_fx.hf import PorosSFTTrainer  # noqa: E402
+from poros_fx import PorosSFTTrainer  # noqa: E402
 from poros_fx.io.quantize import quantize_nf4  # noqa: E402
 from poros_fx.units import format_bytes  # noqa: E402
 from poros_fx.models.tiny import lora_targets, qwen25_config  # noqa: E402

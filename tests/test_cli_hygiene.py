@@ -44,16 +44,6 @@ def test_one_error_style(capsys, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
-def test_the_command_knows_every_run_option():
-    """The train command's list of run options (kept apart so that `--help` stays quick) is TrainOptions'."""
-    import dataclasses
-
-    from poros_fx.cli import train as cli
-    from poros_fx.training.loop import TrainOptions
-
-    assert set(cli._OPTION_NAMES) == {f.name for f in dataclasses.fields(TrainOptions)}
-
-
 def test_bitsandbytes_cpu_kernel_line_is_filtered(caplog):
     with caplog.at_level(logging.WARNING):
         logger = logging.getLogger("bitsandbytes.backends.cpu.ops")

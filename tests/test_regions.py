@@ -1,5 +1,5 @@
 """Regions: each decoder layer is one compiled region, traced once per structure and run by forward,
-recompute and the ``stream=False`` reference alike (``poros_fx/compiler/regions.py``,
+recompute and the ``stream=False`` reference alike (``poros_fx/compiler/regions/``,
 ``passes/lower_regions.py``). Exactness with both codegens, and tests that break the construction on
 purpose (a recompute compiled apart, a recompute without the forward's generator state) and must see
 the difference."""
@@ -17,7 +17,7 @@ from poros_fx.passes.rng import PHASE
 from poros_fx.prepare import get_store
 from poros_fx.runtime import rng as rng_impl
 from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
-from poros_fx.models.tiny import demo_batches, tiny_config, tiny_lora_model
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 ZERO = {s: 0.0 for s in SURFACES}
 
@@ -163,7 +163,9 @@ def test_a_recompute_compiled_apart_is_caught(monkeypatch):
     monkeypatch.setattr(backend_module, "GRAPH_PASSES", (*backend_module.GRAPH_PASSES, _backward_pass(recompute_with_aten)))
     streamed, resident, _ = pair(codegen="inductor", dropout=0.0)
     diffs = compare(streamed, resident)
-    assert diffs["grad_norms"] > 0 and diffs["weights"] > 0, format_diffs("recompute compiled apart", diffs)
+    # the adapter's weights differ; its gradient norm may round to the same float where the gradients differ
+    # only in their last bits
+    assert diffs["weights"] > 0, format_diffs("recompute compiled apart", diffs)
 
 
 def test_a_recompute_without_the_generator_state_is_caught(monkeypatch):

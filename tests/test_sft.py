@@ -15,7 +15,7 @@ datasets = pytest.importorskip("datasets")
 import peft  # noqa: E402
 
 import poros_fx  # noqa: E402
-from poros_fx.hf import PorosSFTTrainer  # noqa: E402
+from poros_fx import PorosSFTTrainer  # noqa: E402
 from poros_fx.models.tiny import lora_model, lora_targets, tiny_config  # noqa: E402
 from poros_fx.models.tiny_tokenizer import chat_records, tiny_tokenizer  # noqa: E402
 

@@ -6,9 +6,10 @@ state, evaluation, console) and ``io/export.py``. ``app.py`` registers these fun
 
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -17,21 +18,19 @@ from ..handles import get_store
 from ..io.export import export_merged
 from ..io.loader import from_config as random_model
 from ..io.loader import load_pretrained
-from ..options import AUTO
 from ..training.evaluation import evaluate
-from ..training.loop import TrainOptions
 from ..training.loop import train as train_run
+from ..training.options import OPTION_NAMES, TrainOptions, check_setting
 from ..training.run_config import read_run_config
 from ..training.run_state import claim_out, resume_settings
 from ..training.sources import load_config, model_source, read_data
 from ..training.terminal import StepLog, console, fail
 from ..units import format_bytes
+from .flags import option_parameters, with_parameters
 from .options import (
     CODEGEN_OPTION,
     DEVICE_OPTION,
     PREFETCH_OPTION,
-    memory_budget_value,
-    positive_epochs,
     size_value,
 )
 
@@ -42,103 +41,33 @@ DATA_HELP = ("a .jsonl, .json, .csv or .parquet file, a Dataset.save_to_disk fol
              "messages, prompt + completion (or response), text, or input_ids")
 
 
-def train(ctx: typer.Context,
-          model: Optional[str] = typer.Argument(None, help="model folder (save_pretrained layout) or cached hub id"),
-          model_option: Optional[str] = typer.Option(None, "--model", help="the same as MODEL; with --resume, where "
-                                                     "the run's model is now (checked to be the same checkpoint)"),
-          data: Optional[str] = typer.Option(None, help=DATA_HELP),
-          out: Optional[Path] = typer.Option(None, help="folder for the PEFT adapter, its tokenizer, run.toml, "
-                                             "metrics.jsonl and the state --resume reads; refused when it holds "
-                                             "anything, unless --overwrite or --resume"),
-          from_config: Optional[str] = typer.Option(None, "--from-config", help="random weights from a built-in shape "
-                                                    "or a config.json instead of MODEL (smoke tests)"),
-          config: Optional[Path] = typer.Option(None, "--config", help="a TOML file of these options (run.toml, "
-                                                "as every run writes one); the command line overrides it"),
-          resume: Optional[Path] = typer.Option(None, "--resume", metavar="OUT", help="continue the run that wrote OUT "
-                                                "(adapter, optimizer, RNG, step and data position; its settings "
-                                                "too): bit-exact with a run that was never stopped. --steps N "
-                                                "extends it; --model and --data follow moved files"),
-          overwrite: bool = typer.Option(False, help="replace the run in a non-empty --out (its adapter, state, "
-                                         "checkpoints and metrics)"),
-          save_every: Optional[int] = typer.Option(None, min=1, help="also save adapter + resume state every N steps "
-                                                   "(always at the end, and on Ctrl-C)"),
-          save_total_limit: Optional[int] = typer.Option(None, min=0, help="with --save-every, also keep the newest N "
-                                                         "saves as OUT/checkpoint-STEP folders"),
-          quantization: str = typer.Option("nf4", help="nf4 (QLoRA base) or bf16"),
-          lora_r: int = typer.Option(16, min=1), lora_alpha: float = typer.Option(32.0, min=0.0),
-          lora_dropout: float = typer.Option(0.05, min=0.0, max=1.0),
-          target_modules: Optional[list[str]] = typer.Option(None, help="LoRA targets, repeated or comma-separated "
-                                                             "(default: every linear of a decoder layer)"),
-          steps: Optional[int] = typer.Option(None, min=1, help="optimizer steps (default: --epochs 1)"),
-          epochs: Optional[float] = typer.Option(None, callback=positive_epochs, help="passes over the data "
-                                                 "(above 0; rounded up to whole steps)"),
-          lr: float = typer.Option(2e-4, min=0.0, help="peak learning rate (AdamW)"),
-          weight_decay: float = typer.Option(0.0, min=0.0),
-          warmup_steps: int = typer.Option(0, min=0, help="steps of linear warmup from 0 to --lr"),
-          schedule: str = typer.Option("constant", help="learning rate after warmup: constant, linear or cosine "
-                                       "(decaying to 0 at the last step)"),
-          max_grad_norm: Optional[float] = typer.Option(None, min=0.0, help="clip the adapter's gradients to this total "
-                                                        "norm (default: no clipping)"),
-          seq_len: int = typer.Option(512, min=2, help="tokens per row"),
-          pack: bool = typer.Option(True, help="pack examples end to end into rows (--no-pack: one example per row, "
-                                    "truncated)"),
-          train_on: str = typer.Option("completion", help="completion: the assistant turns, completions and responses; "
-                                       "all: every token"),
-          split: Optional[str] = typer.Option(None, help="split of a dataset folder or cached id (default: train)"),
-          eval_data: Optional[str] = typer.Option(None, help="data to evaluate on during training (as --data)"),
-          eval_every: Optional[int] = typer.Option(None, min=1, help="steps between evaluations (default: at the "
-                                                   "end)"),
-          batch_size: int = typer.Option(1, min=1, help="rows per micro-batch"),
-          accumulate: int = typer.Option(1, min=1, help="micro-batches per optimizer step"),
-          block_size: int = typer.Option(1, min=1), prefetch: str = PREFETCH_OPTION,
-          codegen: Optional[str] = CODEGEN_OPTION, device: Optional[str] = DEVICE_OPTION,
-          memory_budget: Optional[str] = typer.Option(AUTO, "--memory-budget", callback=memory_budget_value,
-                                                      help="device memory the step may use, e.g. 24GB, or auto (what "
-                                                      "the device has free, less a margin): after the first step "
-                                                      "the blocks that fit stay resident"),
-          block_major: bool = typer.Option(True, help="with --accumulate N, run each block for all N micro-batches "
-                                           "while it is loaded (--no-block-major: one micro-batch after the other; "
-                                           "the result is the same bits)"),
-          chunked_loss: bool = typer.Option(False, help="compute the head and the loss a vocabulary chunk at a time "
-                                            "(long sequences: never the whole logits; not bitwise HF's loss)"),
-          offload_boundaries: bool = typer.Option(False, help="keep the hidden states saved between blocks in host "
-                                                  "memory until the backward needs them"),
-          save_activations: int = typer.Option(0, min=0, metavar="N", help="the last N decoder-layer blocks keep their "
-                                               "activations for the backward instead of recomputing them (memory for "
-                                               "time; the same bits)"),
-          cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
-                                                     help="replay each decoder layer's kernels from CUDA graphs (fewer "
-                                                     "host launches, the same bits, a graph memory pool on top; with "
-                                                     "--accumulate N it needs --no-block-major). Default: on with CUDA, "
-                                                     "except with --offload-boundaries"),
-          least_memory: bool = typer.Option(False, help="the plan that holds the least device memory: every block "
-                                            "streams every step, no CUDA graphs (--memory-budget auto gives way)"),
-          seed: int = typer.Option(0, help="seeds the LoRA init, dropout, data order (and --from-config weights)"),
-          metrics: bool = typer.Option(True, help="write OUT/metrics.jsonl (and TensorBoard events when tensorboard is "
-                                       "installed)"),
-          log_every: Optional[int] = typer.Option(None, min=1, help="steps between log lines when not on a terminal "
-                                                  "(default: about 10 lines)")) -> None:
+def train(ctx: typer.Context, **values: Any) -> None:
     """Train a LoRA adapter on a streamed base (NF4 or bf16) and write it as a standard PEFT adapter."""
+    model, model_option = values.pop("model_argument"), values.pop("model")
+    config, resume, overwrite = values.pop("config"), values.pop("resume"), values.pop("overwrite")
     if model is not None and model_option is not None:
         raise fail("give the model once: MODEL or --model, not both")
-    values = {name: value for name, value in locals().items() if name in _OPTION_NAMES}
     values["model"] = model_option if model_option is not None else model
 
     def typed(name: str) -> bool:  # written on the command line, not a default (typer vendors click: compare by name)
-        names = ("model", "model_option") if name == "model" else (name,)
+        names = ("model_argument", "model") if name == "model" else (name,)
         return any(getattr(ctx.get_parameter_source(n), "name", None) in ("COMMANDLINE", "ENVIRONMENT") for n in names)
 
     if config is not None:
         if resume is not None:
             raise fail("--resume continues a run with its own settings; leave --config out")
-        for name, value in read_run_config(config, _OPTION_NAMES).items():
+        for name, value in read_run_config(config, OPTION_NAMES).items():
+            try:
+                check_setting(name, value, f"--config {config}")
+            except PorosError as e:
+                raise fail(str(e))
             if not typed(name):
                 values[name] = Path(value) if name == "out" else value
     saved: Optional[tuple[dict, dict]] = None
     if resume is not None:
         run, meta, tensors = resume_settings(values, typed, resume)
         saved = (meta, tensors)
-        keep = {name: run[name] for name in _OPTION_NAMES if name in run and name != "out"}
+        keep = {name: run[name] for name in OPTION_NAMES if name in run and name != "out"}
         values = {**values, **keep, "out": Path(run["out"]) if run.get("out") is not None else resume}
     elif values["data"] is None or values["out"] is None:
         raise fail("give --data DATA and --out FOLDER (or --resume OUT to continue a run)")
@@ -152,13 +81,24 @@ def train(ctx: typer.Context,
     train_run(opts, resume=resume, saved=saved)
 
 
-# the train command's options that make up a run (train_run.TrainOptions); the rest steer the command itself
-_OPTION_NAMES = ("model", "from_config", "data", "out", "quantization", "lora_r", "lora_alpha", "lora_dropout",
-                 "target_modules", "steps", "epochs", "lr", "weight_decay", "seq_len", "pack", "batch_size",
-                 "accumulate", "block_size", "prefetch", "codegen", "device", "seed", "log_every", "save_every",
-                 "memory_budget", "block_major", "warmup_steps", "schedule", "max_grad_norm", "eval_data", "eval_every",
-                 "save_total_limit", "train_on", "split", "metrics", "chunked_loss", "offload_boundaries",
-                 "save_activations", "cuda_graphs", "least_memory")
+with_parameters(train, [
+    inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context),
+    inspect.Parameter("model_argument", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Argument(
+        None, metavar="MODEL", show_default=False, help="model folder (save_pretrained layout) or cached hub id")),
+    inspect.Parameter("model", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
+        None, "--model", help="the same as MODEL; with --resume, where the run's model is now (checked to be the "
+        "same checkpoint)")),
+    *option_parameters(TrainOptions, skip=("model",)),
+    inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=typer.Option(
+        None, "--config", help="a TOML file of these options (run.toml, as every run writes one); the command "
+        "line overrides it")),
+    inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path], default=typer.Option(
+        None, "--resume", metavar="OUT", help="continue the run that wrote OUT (adapter, optimizer, RNG, step and "
+        "data position; its settings too): bit-exact with a run that was never stopped. --steps N extends it; "
+        "--model and --data follow moved files")),
+    inspect.Parameter("overwrite", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+        False, help="replace the run in a non-empty --out (its adapter, state, checkpoints and metrics)")),
+])
 
 
 # -- eval -------------------------------------------------------------------------------------------

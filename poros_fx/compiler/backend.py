@@ -198,7 +198,7 @@ def _check_no_checkpointing(gm: fx.GraphModule) -> None:
 
 
 def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
-    """The backend. ``options``: ``block_size``, ``prefetch``, ``stream``, ``dump`` (see ``PorosOptions``)."""
+    """The backend. ``options``: the streaming options, as ``options.PorosOptions`` declares them."""
     opts = PorosOptions.from_dict(options)
     check_ddp_optimizer()  # Dynamo's DDPOptimizer would split the step between a block's load and its use
     _check_no_checkpointing(gm)

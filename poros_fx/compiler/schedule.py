@@ -56,7 +56,7 @@ class RngSlot:
 
 @dataclasses.dataclass
 class RegionUse:
-    """A compiled region (``compiler/regions.py``) as one graph uses it: the blocks that call it, and its
+    """A compiled region (``compiler/regions/``) as one graph uses it: the blocks that call it, and its
     sizes and costs (trace once per structure, compile once per codegen)."""
 
     name: str  # "r0"
@@ -151,7 +151,10 @@ class Schedule:
             block_loads = [ld for ld in self.loads if ld.block == b.index]
             fw = [ld for ld in block_loads if ld.phase == "forward"]
             bw = [ld for ld in block_loads if ld.phase == "backward"]
-            at = lambda ls: ",".join(sorted({self.block_name(ld.issued_before_block) for ld in ls})) or "-"
+
+            def at(ls: list) -> str:
+                return ",".join(sorted({self.block_name(ld.issued_before_block) for ld in ls})) or "-"
+
             rng = [str(s.index) for s in self.rng_slots if s.block == b.index]
             region = ",".join(r.name for r in self.regions.values() if b.index in r.blocks) or "-"
             rows.append([str(b.index), b.name, str(b.nbytes), str(len(fw)), at(fw), str(len(bw)), at(bw),

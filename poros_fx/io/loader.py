@@ -35,7 +35,7 @@ from torch import nn
 
 from ..errors import PorosConfigError
 from ..families import Family, resolve
-from ..options import AUTO, check_block_options, check_budget_option, check_codegen, resolve_device
+from ..options import prepare_settings, resolve_device
 from ..prepare import prepare, unwrap
 from ..runtime.arena import HostArena, nbytes
 from ..runtime.share import HostShare, wants_share
@@ -81,20 +81,19 @@ class LoadReport:
 
 
 def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization = "nf4",
-                    device: str | torch.device | None = None, block_size: int = 1, prefetch: int | str = AUTO,
-                    lora: "peft.PeftConfig | None" = None, family: Family | None = None, *,
-                    adapter: str | os.PathLike | None = None, trainable: bool = True,
+                    device: str | torch.device | None = None, *, lora: "peft.PeftConfig | None" = None,
+                    family: Family | None = None, adapter: str | os.PathLike | None = None, trainable: bool = True,
                     revision: str | None = None, cache_dir: str | os.PathLike | None = None, progress: bool = True,
-                    available_ram: int | Callable[[], int | None] | None = None,
-                    head_chunks: int | None = None, codegen: str | None = None,
-                    memory_budget: int | str | None = None, share: bool | None = None) -> nn.Module:
+                    available_ram: int | Callable[[], int | None] | None = None, head_chunks: int | None = None,
+                    share: bool | None = None, **options: Any) -> nn.Module:
     """Load a causal LM checkpoint tensor by tensor into a prepared poros-fx model, with an adapter or without.
 
     ``name_or_path``: a folder written by ``save_pretrained`` (``model.safetensors`` or sharded with
     ``model.safetensors.index.json``), or a hub id already in the local Hugging Face cache (never
     downloaded; ``revision``/``cache_dir`` select the snapshot). ``quantization``: ``"nf4"`` (decoder
     linears in bitsandbytes NF4, double-quantized, blocksize 64, bf16 compute; the rest bf16) or
-    ``"bf16"``. ``device``, ``block_size``, ``prefetch``, ``family``, ``head_chunks``, ``codegen``, ``memory_budget`` are
+    ``"bf16"``. ``device``, ``family``, ``head_chunks`` and the streaming ``options`` (``block_size``,
+    ``prefetch``, ``codegen``, ``memory_budget``, ...: ``options.PREPARE_DEFAULTS``) are
     ``poros_fx.prepare``'s (``head_chunks=1`` keeps a 7B+ head whole, as an eager run computes it).
     ``lora`` (a ``peft.LoraConfig``) attaches a new adapter to train; ``adapter`` (a folder written by
     peft's ``save_pretrained`` or ``poros-fx train``) attaches a saved one, trainable or frozen
@@ -108,8 +107,7 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
     The model is returned in eval mode, as ``from_pretrained`` returns it; call ``model.train()`` to train.
     """
     started = time.perf_counter()
-    adapter_dir = _check_args(quantization, lora, block_size, prefetch, codegen, adapter, trainable, share)
-    check_budget_option(memory_budget)  # before a byte is read
+    adapter_dir = _check_args(quantization, lora, options, adapter, trainable, share)  # before a byte is read
     compute = resolve_device(device)
     folder = resolve_folder(name_or_path, revision=revision, cache_dir=cache_dir)
     config = read_config(folder)
@@ -136,17 +134,15 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
     report = LoadReport(source=str(folder), quantization=quantization, device=str(compute), tensors=len(plan),
                         bytes_read=reader.bytes_read, host_bytes=host_bytes, peak_inflight_bytes=peak,
                         seconds=0.0, shared_ranks=shared[0], attached=shared[1])
-    return _finish(model, lora, adapter_dir, trainable, compute, block_size, prefetch, family, report, started, arena,
-                   head_chunks, codegen, memory_budget)
+    return _finish(model, lora, adapter_dir, trainable, compute, family, report, started, arena, head_chunks,
+                   options)
 
 
 def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", quantization: Quantization = "nf4",
-                device: str | torch.device | None = None, seed: int = 0, lora: "peft.PeftConfig | None" = None,
-                block_size: int = 1, prefetch: int | str = AUTO, family: Family | None = None, *,
-                adapter: str | os.PathLike | None = None, trainable: bool = True, progress: bool = True,
-                available_ram: int | Callable[[], int | None] | None = None,
-                head_chunks: int | None = None, codegen: str | None = None,
-                memory_budget: int | str | None = None, share: bool | None = None) -> nn.Module:
+                device: str | torch.device | None = None, seed: int = 0, *, lora: "peft.PeftConfig | None" = None,
+                family: Family | None = None, adapter: str | os.PathLike | None = None, trainable: bool = True,
+                progress: bool = True, available_ram: int | Callable[[], int | None] | None = None,
+                head_chunks: int | None = None, share: bool | None = None, **options: Any) -> nn.Module:
     """Like ``load_pretrained`` with random-init weights instead of a checkpoint (benchmarks, no hub).
 
     Each tensor is generated on its own from ``seed`` and its name (normal(0, ``initializer_range``) for
@@ -158,8 +154,7 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
     of each host generates the weights.
     """
     started = time.perf_counter()
-    adapter_dir = _check_args(quantization, lora, block_size, prefetch, codegen, adapter, trainable, share)
-    check_budget_option(memory_budget)  # before a byte is read
+    adapter_dir = _check_args(quantization, lora, options, adapter, trainable, share)  # before a byte is read
     compute = resolve_device(device)
     if not is_config(config):
         config = read_config(resolve_folder(config))
@@ -185,8 +180,8 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
     report = LoadReport(source=source, quantization=quantization, device=str(compute), tensors=len(jobs),
                         bytes_read=0, host_bytes=host_bytes, peak_inflight_bytes=peak, seconds=0.0,
                         shared_ranks=shared[0], attached=shared[1])
-    return _finish(model, lora, adapter_dir, trainable, compute, block_size, prefetch, family, report, started, arena,
-                   head_chunks, codegen, memory_budget)
+    return _finish(model, lora, adapter_dir, trainable, compute, family, report, started, arena, head_chunks,
+                   options)
 
 
 def load_report(model: nn.Module) -> LoadReport:
@@ -205,13 +200,12 @@ def estimate_host_bytes(config: "transformers.PretrainedConfig", quantization: Q
     return store_bytes(meta_model(config, quantization, fam))
 
 
-def _check_args(quantization: Any, lora: Any, block_size: Any, prefetch: Any, codegen: Any = None,
-                adapter: Any = None, trainable: Any = True, share: Any = None) -> Path | None:
+def _check_args(quantization: Any, lora: Any, options: dict[str, Any], adapter: Any = None, trainable: Any = True,
+                share: Any = None) -> Path | None:
     """Everything that can be wrong with the arguments, raised before a byte is read; returns the adapter
     folder (checked) when ``adapter`` is given."""
     check_quantization(quantization)
-    check_block_options(block_size, prefetch)
-    check_codegen(codegen)
+    prepare_settings(options)
     if lora is not None and adapter is not None:
         raise PorosConfigError("pass lora= (a new adapter to train) or adapter= (a saved one to load), not both")
     if not isinstance(trainable, bool):
@@ -320,9 +314,8 @@ def _fill(model: nn.Module, fill: Callable[[HostArena], int], share: bool | None
 
 
 def _finish(model: nn.Module, lora: Any, adapter: Path | None, trainable: bool, compute: torch.device,
-            block_size: int, prefetch: int | str, family: Family | None, report: LoadReport, started: float,
-            arena: HostArena, head_chunks: int | None, codegen: str | None,
-            memory_budget: int | str | None = None) -> nn.Module:
+            family: Family | None, report: LoadReport, started: float, arena: HostArena, head_chunks: int | None,
+            options: dict[str, Any]) -> nn.Module:
     import peft
 
     model.eval()  # as from_pretrained returns it
@@ -338,8 +331,7 @@ def _finish(model: nn.Module, lora: Any, adapter: Path | None, trainable: bool, 
         model.requires_grad_(False)  # the base alone is frozen, as peft leaves it under an adapter
     # prepare moves the adapter and the buffers (rotary ``inv_freq``) to ``compute``, as in a model built
     # there, and takes the frozen base from the host into its store
-    prepare(model, device=compute, block_size=block_size, prefetch=prefetch, family=family, head_chunks=head_chunks,
-            codegen=codegen, memory_budget=memory_budget, _arena=arena)
+    prepare(model, device=compute, family=family, head_chunks=head_chunks, _arena=arena, **options)
     if adapter is not None and not trainable:
         freeze_adapter(model)
     setattr(model, REPORT_ATTR, dataclasses.replace(report, seconds=time.perf_counter() - started))

@@ -236,7 +236,7 @@ class HostStore:
             raise PorosConfigError(
                 f"{op} ran outside a poros graph with grad enabled: {why}. A training forward must stream the base: "
                 "call torch.compile(model, backend='poros') and train through that, or use poros_fx.hf.PorosTrainer, "
-                "poros_fx.hf.PorosSFTTrainer (TRL) or @poros_fx.step; a plain transformers/TRL Trainer on a prepared "
+                "poros_fx.PorosSFTTrainer (TRL) or @poros_fx.step; a plain transformers/TRL Trainer on a prepared "
                 "model loads the base eagerly. Under torch.no_grad() (evaluation, generation) eager calls are fine.")
         if loaded is not None:
             size = nbytes(loaded)

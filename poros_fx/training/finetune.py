@@ -28,16 +28,12 @@ from ..errors import PorosConfigError, PorosError
 from .run_config import RUN_CONFIG_FILE, write_run_config
 from .run_state import claim_out
 from .sources import model_source, save_tokenizer
-from .loop import Session, TrainOptions, TrainResult, load_model, train
+from .loop import Session, TrainResult, load_model, train
+from .options import MODEL_OPTIONS, TrainOptions
 
-# keywords of from_pretrained, as the seed spells them, and the option each one sets
-_LOAD_NAMES = {"lora_rank": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
-               "target_modules": "target_modules", "quantization": "quantization", "device": "device",
-               "block_size": "block_size", "prefetch": "prefetch", "codegen": "codegen",
-               "memory_budget": "memory_budget", "seed": "seed"}
-# what train() may not change: the model was built with these
-_FIXED = ("model", "from_config", "quantization", "lora_r", "lora_alpha", "lora_dropout", "target_modules", "device",
-          "block_size", "prefetch", "codegen", "memory_budget", "seed")
+# from_pretrained's keywords: what builds the model (lora_rank, as the seed spells lora_r)
+_LOAD_NAMES = {("lora_rank" if name == "lora_r" else name): name for name in MODEL_OPTIONS
+               if name not in ("model", "from_config")}
 
 
 class FineTuner:
@@ -51,8 +47,10 @@ class FineTuner:
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike, *, quantization: str = "nf4", lora_rank: int = 16,
                         lora_alpha: float = 32.0, **kwargs: Any) -> "FineTuner":
-        """Load ``model`` streamed (see the module docstring); ``kwargs``: ``lora_dropout``,
-        ``target_modules``, ``device``, ``block_size``, ``prefetch``, ``codegen``, ``memory_budget``, ``seed``."""
+        """Load ``model`` streamed (see the module docstring); ``kwargs``: the other options that build the
+        model (``training/options.py``'s ``MODEL_OPTIONS``: ``lora_dropout``, ``target_modules``, ``device``,
+        ``seed`` and the streaming options ``prepare`` takes: ``block_size``, ``prefetch``, ``codegen``,
+        ``memory_budget``, ...)."""
         unknown = sorted(set(kwargs) - set(_LOAD_NAMES))
         if unknown:
             raise PorosConfigError(f"FineTuner.from_pretrained: unknown argument(s) {', '.join(unknown)}; known: "
@@ -78,12 +76,12 @@ class FineTuner:
         folder that holds anything is refused unless ``overwrite`` (as the command's ``--out``)."""
         names = {f.name for f in dataclasses.fields(TrainOptions)}
         unknown = sorted(set(kwargs) - names)
-        fixed = sorted(set(kwargs) & set(_FIXED))
+        fixed = sorted(set(kwargs) & set(MODEL_OPTIONS))
         if unknown or fixed:
             raise PorosConfigError(f"FineTuner.train: {'unknown' if unknown else 'load-time'} argument(s) "
                                    f"{', '.join(unknown or fixed)}" + ("" if unknown else " (give them to "
                                                                        "from_pretrained)"))
-        model_settings = {name: getattr(self.opts, name) for name in _FIXED}
+        model_settings = {name: getattr(self.opts, name) for name in MODEL_OPTIONS}
         out = kwargs.pop("out", None)
         self.opts = TrainOptions(**model_settings, data=str(data),
                                  out=Path(out) if out is not None else None, **kwargs)

@@ -46,7 +46,7 @@ from ..handles import causal_lm, get_store
 from ..io.data import TokenDataset, batches
 from ..io.loader import from_config as random_model
 from ..io.loader import load_pretrained
-from ..options import AUTO, PorosOptions, resolve_device
+from ..options import AUTO
 from ..prepare import set_trace_options
 from ..report import report
 from ..runtime.accumulate import step_context
@@ -55,96 +55,13 @@ from ..units import format_bytes, parse_size
 from ..compiler.estimate import lora_bytes, step_memory
 from .evaluation import evaluate
 from .metrics import MetricsLog
+from .options import CONFIG_KEYS, OPTION_NAMES, TrainOptions
 from .run_config import RUN_CONFIG_FILE, write_run_config
 from .run_state import (STATE_FILE, Named, check_resumable, checkpoint_folder, fingerprint, keep_checkpoints,
                         model_fingerprint, restore, rng_state, save_train_state)
-from .schedules import SCHEDULES, lr_factors, set_lr
+from .schedules import lr_factors, set_lr
 from .sources import as_path, read_data, save_tokenizer, target_modules, tokenizer_of, train_source
 from .terminal import StepLog, console
-
-
-@dataclasses.dataclass
-class TrainOptions:
-    """Everything a run is made of: the train command's options, ``FineTuner``'s arguments, or the state
-    of the run being resumed (``run_state.SETTINGS``)."""
-
-    model: Optional[str] = None  # a checkpoint folder or cached hub id; or None with from_config
-    from_config: Optional[str] = None  # a built-in shape or config: random weights
-    data: Optional[str] = None  # a file, a dataset folder, a cached dataset id, or "demo"
-    out: Optional[Path] = None  # where the adapter and the resume state go (None: nothing saved on the way)
-    quantization: str = "nf4"
-    lora_r: int = 16
-    lora_alpha: float = 32.0
-    lora_dropout: float = 0.05
-    target_modules: Optional[list[str]] = None
-    steps: Optional[int] = None  # None: from epochs (default 1) and the data
-    epochs: Optional[float] = None
-    lr: float = 2e-4
-    weight_decay: float = 0.0
-    seq_len: int = 512
-    pack: bool = True
-    batch_size: int = 1
-    accumulate: int = 1
-    block_size: int = 1
-    prefetch: int | str = AUTO
-    codegen: Optional[str] = None
-    device: Optional[str] = None
-    seed: int = 0
-    log_every: Optional[int] = None
-    save_every: Optional[int] = None
-    memory_budget: Optional[str] = AUTO  # what the device has free at the first step, less a margin (runtime/budget.py)
-    block_major: bool = True  # accumulate N: each block runs all N micro-batches while loaded (runtime/accumulate.py)
-    warmup_steps: int = 0
-    schedule: str = "constant"  # after warmup: constant, linear or cosine decay to 0 at the last step
-    max_grad_norm: Optional[float] = None  # clip the adapter's gradients to this total norm
-    eval_data: Optional[str] = None
-    eval_every: Optional[int] = None  # steps between evaluations (default: at the end only)
-    save_total_limit: Optional[int] = None  # save_every also keeps this many OUT/checkpoint-STEP folders
-    train_on: str = "completion"  # completion: assistant turns / completions; all: every token
-    split: Optional[str] = None  # of a dataset folder or cached id
-    metrics: bool = True  # OUT/metrics.jsonl (and TensorBoard when installed)
-    chunked_loss: bool = False  # head + loss in vocabulary chunks (poros_fx/loss.py)
-    offload_boundaries: bool = False  # saved block outputs in host memory (passes/offload.py)
-    save_activations: int = 0  # the last N layer blocks keep their activations, not recomputed (passes/recompute.py)
-    cuda_graphs: Optional[bool] = None  # region calls replayed from CUDA graphs (runtime/cuda_graphs.py); None: on
-    # on CUDA where they keep the guarantee (options.cuda_graphs_choice)
-    least_memory: bool = False  # every block streamed, no CUDA graphs: the least device memory
-
-    def check(self) -> None:
-        """Refuse settings that cannot run, before anything is loaded."""
-        if self.quantization not in ("nf4", "bf16"):
-            raise PorosConfigError(f"quantization must be nf4 or bf16, got {self.quantization!r}")
-        if self.steps is not None and self.epochs is not None:
-            raise PorosConfigError("give steps or epochs, not both")
-        if self.epochs is not None and not self.epochs > 0:
-            raise PorosConfigError(f"epochs must be above 0, got {self.epochs}")
-        for name in ("steps", "batch_size", "accumulate", "block_size", "eval_every", "save_every", "lora_r"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise PorosConfigError(f"{name} must be at least 1, got {value}")
-        if self.schedule not in SCHEDULES:
-            raise PorosConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if self.warmup_steps < 0 or (self.save_total_limit is not None and self.save_total_limit < 0) or \
-                self.save_activations < 0:
-            raise PorosConfigError("warmup_steps, save_total_limit and save_activations must be at least 0")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise PorosConfigError(f"max_grad_norm must be above 0, got {self.max_grad_norm}")
-        if self.eval_every is not None and self.eval_data is None:
-            raise PorosConfigError("eval_every needs eval_data (the data to evaluate on)")
-        if self.least_memory and self.memory_budget == AUTO:
-            self.memory_budget = None  # the default budget gives way; one asked for is refused just below
-        PorosOptions.from_dict(self.step_options() | {"memory_budget": self.memory_budget})
-        if self.cuda_graphs and resolve_device(self.device).type != "cuda":
-            raise PorosConfigError("cuda_graphs replays CUDA kernels; this run computes on the CPU (leave --cuda-graphs "
-                                   "out, or train on a CUDA device)")
-        if self.cuda_graphs and self.offload_boundaries:
-            raise PorosConfigError("cuda_graphs cannot be combined with offload_boundaries; use one of the two")
-
-    def step_options(self) -> dict[str, Any]:
-        """The backend's options this run sets (``torch.compile(..., options=...)``)."""
-        return {"block_major": self.block_major, "chunked_loss": self.chunked_loss,
-                "offload_boundaries": self.offload_boundaries, "save_activations": self.save_activations,
-                "cuda_graphs": self.cuda_graphs, "least_memory": self.least_memory}
 
 
 @dataclasses.dataclass
@@ -181,8 +98,7 @@ def load_model(opts: TrainOptions, ranks: Optional[distributed.Ranks] = None) ->
     device = o.device
     if ranks.distributed and (device is None or device == "cuda"):
         device = distributed.rank_device(ranks)  # cuda:LOCAL_RANK (the CPU without CUDA)
-    common = {"quantization": o.quantization, "device": device, "block_size": o.block_size, "prefetch": o.prefetch,
-              "lora": lora, "codegen": o.codegen, "memory_budget": o.memory_budget}
+    common = {"quantization": o.quantization, "device": device, "lora": lora, **o.prepare_options()}
     try:
         model = load_pretrained(folder, **common) if o.model is not None else random_model(config, seed=o.seed, **common)
     except ValueError as e:  # peft: target modules that match no module of the model
@@ -220,7 +136,7 @@ class _Run:
             "losses": self.losses[:step], "data_sha256": self.data_sha256, "run": self.record,
             "eval_losses": {str(k): v for k, v in self.eval_losses.items() if k <= step}})
         save_tokenizer(self.session.tokenizer, folder)
-        write_run_config(folder / RUN_CONFIG_FILE, {k: v for k, v in self.record.items() if k in _CONFIG_KEYS})
+        write_run_config(folder / RUN_CONFIG_FILE, {k: v for k, v in self.record.items() if k in CONFIG_KEYS})
 
 
 def train(opts: TrainOptions, session: Optional[Session] = None, resume: Optional[Path] = None,
@@ -306,31 +222,16 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
         meta, tensors = saved
         losses = restore(meta, tensors, named, optimizer, device, resume / STATE_FILE)
         eval_losses = {int(k): v for k, v in meta.get("eval_losses", {}).items()}
-    record = dict(model=as_path(o.model), from_config=as_path(o.from_config), data=as_path(o.data),
-                  target_modules=session.targets, quantization=o.quantization, lora_r=o.lora_r, lora_alpha=o.lora_alpha,
-                  lora_dropout=o.lora_dropout, lr=o.lr, weight_decay=o.weight_decay, seq_len=o.seq_len, pack=o.pack,
-                  batch_size=o.batch_size, accumulate=o.accumulate, codegen=o.codegen, device=device.type, seed=o.seed,
-                  block_size=o.block_size, prefetch=o.prefetch, steps=steps, log_every=o.log_every,
-                  save_every=o.save_every, memory_budget=o.memory_budget, block_major=o.block_major,
-                  world_size=ranks.world_size, warmup_steps=o.warmup_steps, schedule=o.schedule,
-                  max_grad_norm=o.max_grad_norm, eval_data=as_path(o.eval_data), eval_every=o.eval_every,
-                  save_total_limit=o.save_total_limit, train_on=o.train_on, split=o.split, metrics=o.metrics,
-                  chunked_loss=o.chunked_loss, offload_boundaries=o.offload_boundaries,
-                  save_activations=o.save_activations, cuda_graphs=o.cuda_graphs, least_memory=o.least_memory,
-                  model_sha256=_model_sha256(folder) if o.model is not None else None)
+    record = {**{name: getattr(o, name) for name in OPTION_NAMES if name not in ("epochs", "out")},
+              "model": as_path(o.model), "from_config": as_path(o.from_config), "data": as_path(o.data),
+              "eval_data": as_path(o.eval_data), "target_modules": session.targets, "device": device.type,
+              "steps": steps, "world_size": ranks.world_size,
+              "model_sha256": _model_sha256(folder) if o.model is not None else None}
     metrics = MetricsLog(o.out, enabled=o.metrics and ranks.rank == 0) if o.out is not None else MetricsLog(Path("."),
                                                                                                           enabled=False)
     return _Run(opts=o, session=session, step_model=step_model, named=named, optimizer=optimizer, dataset=dataset,
                 eval_dataset=eval_dataset, data_sha256=data_sha256, steps=steps, done=done, losses=losses,
                 eval_losses=eval_losses, record=record, metrics=metrics)
-
-
-# the settings run.toml keeps: what `train --config` reads back (not the bookkeeping of the state)
-_CONFIG_KEYS = ("model", "from_config", "data", "quantization", "lora_r", "lora_alpha", "lora_dropout",
-                "target_modules", "steps", "lr", "weight_decay", "seq_len", "pack", "batch_size", "accumulate",
-                "block_size", "prefetch", "codegen", "seed", "log_every", "save_every", "memory_budget", "block_major",
-                "warmup_steps", "schedule", "max_grad_norm", "eval_data", "eval_every", "save_total_limit", "train_on",
-                "split", "metrics", "chunked_loss", "offload_boundaries", "save_activations", "cuda_graphs", "least_memory")
 
 
 def _model_sha256(folder: Optional[Path]) -> Optional[str]:

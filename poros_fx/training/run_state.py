@@ -24,6 +24,7 @@ from torch import nn
 
 from ..errors import PorosConfigError
 from ..io.loader import LoaderError, read_safetensors_header
+from .options import MOVABLE, RESUMABLE
 from .sources import as_path, split_targets
 
 if TYPE_CHECKING:
@@ -32,17 +33,6 @@ if TYPE_CHECKING:
 STATE_FILE = "poros_state.safetensors"  # what `train --resume` continues from (written next to the adapter)
 _STATE_KEY = "poros_fx_train_state"
 _STATE_VERSION = 1
-# what a resumed run may change: none touches a bit of the result (the data order does not depend on the
-# step count, streaming is exact whatever the block size and prefetch, evaluation draws no random numbers)
-RESUMABLE = ("steps", "epochs", "block_size", "prefetch", "memory_budget", "block_major", "save_activations",
-             "cuda_graphs", "least_memory", "log_every", "save_every", "out", "eval_data", "eval_every", "save_total_limit", "metrics")
-# may be given again where the files moved: the same model (config and tensor layout) and the same rows
-# (tokenized), checked by hash
-MOVABLE = ("model", "data")
-# the run's settings, kept in the state so that `--resume OUT` needs nothing else
-SETTINGS = ("model", "from_config", "data", "quantization", "lora_r", "lora_alpha", "lora_dropout", "target_modules",
-            "lr", "weight_decay", "seq_len", "pack", "batch_size", "accumulate", "codegen", "device", "seed",
-            "block_size", "prefetch", "warmup_steps", "schedule", "max_grad_norm", "train_on", "split")
 # files a run writes into its folder (what --overwrite replaces; nothing else there is touched)
 RUN_FILES = ("adapter_model.safetensors", STATE_FILE, "metrics.jsonl", "run.toml",
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json",
