@@ -1,3 +1,4 @@
+import logging
 import os
 import warnings
 
@@ -15,6 +16,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+# pytest attaches its capture handlers to every logger that does not propagate, torch's structured-trace
+# logger among them; torch then renders a trace record (graphs as text) for every compile event, which
+# goes nowhere without TORCH_TRACE. Propagating, the logger keeps only torch's own handler, which removes
+# itself at the first event.
+logging.getLogger("torch.__trace").propagate = True
 
 
 def pytest_collection_modifyitems(config, items):
