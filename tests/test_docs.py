@@ -41,10 +41,10 @@ def test_relative_links_point_to_files_that_exist():
 
 
 def tiny_checkpoint(folder: Path) -> str:
-    """A 2-layer Qwen2 checkpoint with a chat tokenizer in ``folder``, and ``chat.jsonl`` (what the five lines
+    """A 1-layer Qwen2 checkpoint with a chat tokenizer in ``folder``, and ``chat.jsonl`` (what the five lines
     read) in the working folder."""
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2", layers=2, vocab=320)).save_pretrained(folder)
+    transformers.AutoModelForCausalLM.from_config(tiny_config("qwen2", layers=1, vocab=320)).save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     Path("chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records(8)), encoding="utf-8")
     return str(folder)
