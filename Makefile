@@ -14,7 +14,7 @@ $(BIN)/python:
 setup: $(BIN)/python
 
 demo: setup
-	$(BIN)/python -m poros_fx
+	$(BIN)/python -m poros_fx demo
 
 test: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -n 2 --dist worksteal --durations=15
