@@ -193,6 +193,7 @@ def test_every_option_has_its_one_help_and_is_listed(capsys):
     (("--layers", "2"), "--layers applies to the multi-GPU rows only: give --nproc N too"),
     (("--nproc", "2", "--methods", "peft_resident"), "unknown multi-GPU method(s) ['peft_resident']"),
     (("--nproc", "2", "--rows", "poros:0"), "--rows: 'poros:0' is not method:nproc"),
+    (("--nproc", "2", "--compile-warm"), "--compile-warm does not apply to the multi-GPU rows (--nproc)"),
     (("--worker", "other"), "--worker must be one of multi-gpu, unsloth"),
 ])
 def test_a_bad_option_is_one_error_line(capsys, args, says):

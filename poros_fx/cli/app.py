@@ -380,8 +380,15 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
         raise fail(harness.NO_CUDA_MESSAGE)
     command = shlex.join(["poros-fx", *sys.argv[1:]])
     multi_only = {"--rows": rows, "--layers": layers, "--quantization": quantization, "--row-timeout": row_timeout}
+    one_gpu_only = {"--md": md, "--plot": plot, "--time-budget": time_budget, "--profile": profile,
+                    "--memory-budget": memory_budget, "--unsloth-offload-layers": unsloth_offload_layers,
+                    "--compiled-resident": compiled_resident or None, "--compile-warm": compile_warm or None}
     try:
         if nproc is not None or worker == "multi-gpu":
+            given = [flag for flag, value in one_gpu_only.items() if value is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to the "
+                                 "multi-GPU rows (--nproc): leave it out, or run without --nproc")
             multi = harness.make_multi_config(
                 nproc=nproc or 1, models=models, seqs=seqs, methods=methods, rows=rows, layers=layers,
                 quantization=quantization, batch=batch, steps=steps, warmup=warmup, device=device, timeout=row_timeout,
