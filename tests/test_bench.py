@@ -191,6 +191,7 @@ def test_every_option_has_its_one_help_and_is_listed(capsys):
     (("--methods", "nope"), "unknown method(s) ['nope']"),
     (("--steps", "0"), "'--steps'"),
     (("--layers", "2"), "--layers applies to the multi-GPU rows only: give --nproc N too"),
+    (("--batch", "2", "--rows", "poros:1"), "--rows and --batch apply to the multi-GPU rows only"),
     (("--nproc", "2", "--methods", "peft_resident"), "unknown multi-GPU method(s) ['peft_resident']"),
     (("--nproc", "2", "--rows", "poros:0"), "--rows: 'poros:0' is not method:nproc"),
     (("--nproc", "2", "--compile-warm"), "--compile-warm does not apply to the multi-GPU rows (--nproc)"),

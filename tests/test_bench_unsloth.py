@@ -99,7 +99,7 @@ def test_checkpoint_round_trip_and_worker_command(tmp_path):
     assert UNSLOTH_FIRST.index("import unsloth") < UNSLOTH_FIRST.index("poros_fx")
     args = dict(zip(command[6::2], command[7::2]))
     assert args == {"--models": "qwen2.5-7b", "--methods": "unsloth_offload", "--seqs": "512", "--accums": "4",
-                    "--batch": "1", "--steps": "2", "--warmup": "1", "--device": "cpu",
+                    "--steps": "2", "--warmup": "1", "--device": "cpu",
                     "--checkpoints": str(tmp_path / "ckpt"), "--json": "/o.json", "--unsloth-offload-layers": "20"}
 
 

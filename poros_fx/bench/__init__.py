@@ -28,7 +28,7 @@ to host memory) and ``unsloth_offload`` (``from_pretrained(offload_layers=N)``, 
 before transformers) on a checkpoint of the same random-init weights written once under ``--checkpoints``;
 without Unsloth the row says "skipped: unsloth not importable". Models: random-init
 Qwen2.5 shapes (0.5b/7b/32b/72b), or ``tiny`` (a 2-layer qwen2 config, for CPU runs). Recipe: LoRA
-r16 alpha 32 dropout 0.05 on all seven projections, AdamW, batch 1 (``--batch``); one row per (seq, accum) pair of
+r16 alpha 32 dropout 0.05 on all seven projections, AdamW, batch 1; one row per (seq, accum) pair of
 the grid (``star``: the first seq and accum, plus each other seq at the first accum and each other
 accum at the first seq; ``full``: every pair).
 

@@ -89,7 +89,7 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                 plot_path: str | Path | None = None, time_budget: float | None = None,
                 compiled_resident: bool = False, profile_dir: str | Path | None = None, command: str = "",
                 memory_budget: str | None = None, checkpoints: str | Path = DEFAULT_CHECKPOINTS,
-                unsloth_offload_layers: int | None = None, compile_warm: bool = False, batch: int = 1,
+                unsloth_offload_layers: int | None = None, compile_warm: bool = False,
                 known_methods: Mapping[str, Method] = METHODS) -> BenchConfig:
     """A checked ``BenchConfig`` from the command-line strings (shared by the CLI and ``main``)."""
     method_names = tuple(m.strip() for m in methods.split(",") if m.strip())
@@ -115,8 +115,6 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
             raise ValueError(str(e)) from None
     if unsloth_offload_layers is not None and unsloth_offload_layers < 1:
         raise ValueError(f"--unsloth-offload-layers must be >= 1, got {unsloth_offload_layers}")
-    if batch < 1:
-        raise ValueError(f"--batch must be >= 1, got {batch}")
     json_path = Path(json_path)
     return BenchConfig(models=tuple(model_name(m) for m in models.split(",") if m.strip()), methods=method_names,
                        block_sizes=_ints(block_sizes, "block-sizes"), seqs=_ints(seqs, "seqs"),
@@ -125,7 +123,7 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                        plot_path=Path(plot_path) if plot_path else None, time_budget=time_budget,
                        compiled_resident=compiled_resident, profile_dir=Path(profile_dir) if profile_dir else None,
                        command=command, memory_budget=memory_budget, checkpoints=Path(checkpoints),
-                       unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm, batch=batch)
+                       unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm)
 
 
 @dataclasses.dataclass(frozen=True)

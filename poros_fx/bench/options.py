@@ -17,7 +17,7 @@ HELP = {
     "grid": "star: base pair + each other seq / accum alone; full: every pair",
     "steps": "timed optimizer steps per row",
     "warmup": f"untimed steps first (the first compiles); default 1, {MULTI_WARMUP} with --nproc",
-    "batch": "rows per micro-batch (with --nproc: per rank)",
+    "batch": f"rows per rank per step (default 1); {MULTI_ONLY}",
     "device": "cuda, or cpu (with --models tiny) for a smoke run",
     "json": "results; merged into when it exists (with --nproc: its path without the suffix is the results folder)",
     "md": "markdown table (default: JSON path with .md)",

@@ -116,7 +116,7 @@ def worker_command(spec: RowSpec, config: BenchConfig, out: Path) -> list[str]:
     (the checkpoint folder is ``checkpoint_dir(--checkpoints, the model, the seed)``)."""
     command = [sys.executable, "-c", UNSLOTH_FIRST, "bench", "--worker", "unsloth", "--models", spec.model,
                "--methods", spec.method, "--seqs", str(spec.seq), "--accums", str(spec.accum),
-               "--batch", str(config.batch), "--steps", str(config.steps), "--warmup", str(config.warmup),
+               "--steps", str(config.steps), "--warmup", str(config.warmup),
                "--device", config.device, "--checkpoints", str(config.checkpoints), "--json", str(out)]
     if config.unsloth_offload_layers is not None:
         command += ["--unsloth-offload-layers", str(config.unsloth_offload_layers)]

@@ -2,10 +2,10 @@
 
 Unsloth patches transformers, TRL and torch's checkpointing on import, so ``import unsloth`` must come
 before transformers; ``poros_fx`` imports transformers, so the process is started as ``python -c
-UNSLOTH_FIRST bench --worker unsloth ...``: Unsloth first, then the ``poros-fx`` command line. The recipe
-and the timing are the bench's (``run.run_row``): LoRA r16 alpha 32 on the seven projections (dropout 0:
-Unsloth's fast path), AdamW lr 1e-4, ``--batch`` rows, the same random batches (``run._batches``: one CPU
-generator seeded with the bench's seed), the median of ``--steps`` synchronized optimizer steps after
+UNSLOTH_FIRST bench --worker unsloth ...``: Unsloth first, then the ``poros-fx`` command line. The
+recipe and the timing are the bench's (``run.run_row``): LoRA r16 alpha 32 on the seven projections
+(dropout 0: Unsloth's fast path), AdamW lr 1e-4, batch 1, the same random batches (``run._batches``: one
+CPU generator seeded with the bench's seed), the median of ``--steps`` synchronized optimizer steps after
 ``--warmup``, ``max_memory_allocated`` from the adapter's attachment to the last step. The row (a JSON
 object of the fields measured) goes to ``--json``; an Unsloth that cannot be imported gives ``{"error":
 "skipped: unsloth not importable (...)"}``.

@@ -41,7 +41,7 @@ def warm_command(spec: RowSpec, config: BenchConfig, json_path: Path) -> list[st
     command = [sys.executable, "-m", "poros_fx", "bench", "--models", spec.model, "--methods", spec.method,
                "--block-sizes", str(spec.block_size or 1), "--seqs", str(spec.seq), "--accums", str(spec.accum),
                "--steps", str(min(config.steps, WARM_STEPS)), "--warmup", "1", "--device", config.device,
-               "--batch", str(config.batch), "--json", str(json_path)]
+               "--json", str(json_path)]
     if config.memory_budget is not None:
         command += ["--memory-budget", config.memory_budget]
     return command

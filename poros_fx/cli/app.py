@@ -348,7 +348,7 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
           grid: str = typer.Option("star", help=harness.HELP["grid"]),
           steps: int = typer.Option(10, min=1, help=harness.HELP["steps"]),
           warmup: Optional[int] = typer.Option(None, min=1, help=harness.HELP["warmup"]),
-          batch: int = typer.Option(1, min=1, help=harness.HELP["batch"]),
+          batch: Optional[int] = typer.Option(None, min=1, help=harness.HELP["batch"]),
           device: str = typer.Option("cuda", help=harness.HELP["device"]),
           json_path: Path = typer.Option(Path("poros-bench.json"), "--json", help=harness.HELP["json"]),
           md: Optional[Path] = typer.Option(None, help=harness.HELP["md"]),
@@ -379,7 +379,8 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise fail(harness.NO_CUDA_MESSAGE)
     command = shlex.join(["poros-fx", *sys.argv[1:]])
-    multi_only = {"--rows": rows, "--layers": layers, "--quantization": quantization, "--row-timeout": row_timeout}
+    multi_only = {"--rows": rows, "--layers": layers, "--quantization": quantization, "--batch": batch,
+                  "--row-timeout": row_timeout}
     one_gpu_only = {"--md": md, "--plot": plot, "--time-budget": time_budget, "--profile": profile,
                     "--memory-budget": memory_budget, "--unsloth-offload-layers": unsloth_offload_layers,
                     "--compiled-resident": compiled_resident or None, "--compile-warm": compile_warm or None}
@@ -391,7 +392,7 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
                                  "multi-GPU rows (--nproc): leave it out, or run without --nproc")
             multi = harness.make_multi_config(
                 nproc=nproc or 1, models=models, seqs=seqs, methods=methods, rows=rows, layers=layers,
-                quantization=quantization, batch=batch, steps=steps, warmup=warmup, device=device, timeout=row_timeout,
+                quantization=quantization, batch=batch or 1, steps=steps, warmup=warmup, device=device, timeout=row_timeout,
                 out=json_path.with_suffix(""), command=command, row_json=json_path if worker else None)
         else:
             given = [flag for flag, value in multi_only.items() if value is not None]
@@ -400,7 +401,7 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
                                  "rows only: give --nproc N too")
             config = harness.make_config(models=models, methods=methods or harness.DEFAULT_METHODS,
                                          block_sizes=block_sizes, seqs=seqs, accums=accums, grid=grid, steps=steps,
-                                         warmup=warmup or 1, batch=batch, device=device, json_path=json_path,
+                                         warmup=warmup or 1, device=device, json_path=json_path,
                                          md_path=md, plot_path=plot, time_budget=time_budget,
                                          compiled_resident=compiled_resident, profile_dir=profile,
                                          memory_budget=memory_budget, checkpoints=checkpoints,
