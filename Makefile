@@ -14,7 +14,7 @@ $(BIN)/python:
 setup: $(BIN)/python
 
 demo: setup
-	$(BIN)/python -m poros_fx
+	$(BIN)/python -m poros_fx demo
 
 test: setup
 	$(BIN)/ruff check .

@@ -145,7 +145,6 @@ def test_plan_grid_and_restrictions():
 def test_no_gpu_exits_2(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    assert bench.main([]) == 2
     code, out, err = run_cli(capsys, "bench")  # the command, in this process (a subprocess costs ~8 s of imports)
     assert code == 2
     assert "needs a CUDA GPU; use --device cpu --models tiny for a smoke run" in out + err
@@ -170,20 +169,39 @@ def test_compile_warm_runs_the_row_again_in_a_second_process(tmp_path, monkeypat
     assert f"| {row['first_step_warm_s']:.1f} / {row['compile_warm_s']:.1f} |" in md and "--compile-warm" in md
 
 
-def test_poros_fx_bench_takes_every_option_of_the_module():
-    """`poros-fx bench` and `python -m poros_fx.bench` are two parsers of one benchmark: every option
-    of the module's is the command's too (the command once lacked --memory-budget, --compile-warm and the
-    Unsloth options), with the same help for the models and methods."""
+def test_every_option_has_its_one_help_and_is_listed(capsys):
+    """`poros-fx bench` is the one entry point: each option's help is bench.HELP's (one text per option), and
+    --help lists every option but the hidden worker's."""
     import typer
 
     from poros_fx.cli import app as cli_module
 
-    module_options = {o for a in bench.parser()._actions for o in a.option_strings if o.startswith("--")} - {"--help"}
     command = typer.main.get_command(cli_module.app).commands["bench"]
-    command_options = {o for p in command.params for o in p.opts if o.startswith("--")}
-    assert module_options <= command_options, sorted(module_options - command_options)
-    helps = {p.name: p.help for p in command.params}
-    assert helps["models"] == bench.MODELS_HELP and all(m in helps["methods"] for m in bench.METHODS)
+    helps = {p.opts[0].removeprefix("--").replace("-", "_"): p.help for p in command.params}
+    assert helps == bench.HELP
+    code, out, err = run_cli(capsys, "bench", "--help")
+    assert code == 0 and not err
+    flags = {o for p in command.params if not p.hidden for o in p.opts}
+    assert {"--nproc", "--rows", "--layers", "--quantization", "--row-timeout", "--batch", "--memory-budget"} <= flags
+    assert all(flag in out for flag in flags) and "--worker" not in out
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--grid", "diagonal"), "--grid must be star or full"),
+    (("--methods", "nope"), "unknown method(s) ['nope']"),
+    (("--steps", "0"), "'--steps'"),
+    (("--layers", "2"), "--layers applies to the multi-GPU rows only: give --nproc N too"),
+    (("--batch", "2", "--rows", "poros:1"), "--rows and --batch apply to the multi-GPU rows only"),
+    (("--nproc", "2", "--methods", "peft_resident"), "unknown multi-GPU method(s) ['peft_resident']"),
+    (("--nproc", "2", "--rows", "poros:0"), "--rows: 'poros:0' is not method:nproc"),
+    (("--nproc", "2", "--compile-warm"), "--compile-warm does not apply to the multi-GPU rows (--nproc)"),
+    (("--worker", "other"), "--worker must be one of multi-gpu, unsloth"),
+])
+def test_a_bad_option_is_one_error_line(capsys, args, says):
+    code, out, err = run_cli(capsys, "bench", "--device", "cpu", "--models", "tiny", *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], (args, err)
+    assert "bench:" not in out  # refused before any row
 
 
 def test_saved_activation_rows_run(tmp_path):

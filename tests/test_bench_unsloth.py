@@ -19,6 +19,7 @@ from poros_fx.prepare import unprepare
 from poros_fx import bench
 from poros_fx.bench import unsloth
 from poros_fx.bench.config import RowSpec
+from poros_fx.bench.unsloth_worker import UNSLOTH_FIRST
 from poros_fx.models.tiny import tiny_config
 
 FAKE_UNSLOTH = textwrap.dedent('''
@@ -91,19 +92,22 @@ def test_checkpoint_round_trip_and_worker_command(tmp_path):
 
     assert unsloth.checkpoint_format("qwen2.5-7b") == "bf16" and unsloth.checkpoint_format("qwen2.5-32b") == "nf4"
     spec = RowSpec("qwen2.5-7b", "unsloth_offload", None, 512, 4)
-    command = unsloth.worker_command(Path("/ckpt"), spec, _config(tmp_path, "unsloth_offload",
-                                                                  unsloth_offload_layers=20), Path("/o.json"))
-    assert command[:2] == [sys.executable, str(unsloth.WORKER)]
-    args = dict(zip(command[2::2], command[3::2]))
-    assert args == {"--checkpoint": "/ckpt", "--method": "unsloth_offload", "--seq": "512", "--accum": "4",
-                    "--batch": "1", "--steps": "2", "--warmup": "1", "--seed": "0", "--out": "/o.json",
-                    "--offload-layers": "20"}
+    command = unsloth.worker_command(spec, _config(tmp_path, "unsloth_offload", unsloth_offload_layers=20),
+                                     Path("/o.json"))
+    # Unsloth imported before the poros-fx command line (which imports transformers), then the hidden worker
+    assert command[:3] == [sys.executable, "-c", UNSLOTH_FIRST] and command[3:6] == ["bench", "--worker", "unsloth"]
+    assert UNSLOTH_FIRST.index("import unsloth") < UNSLOTH_FIRST.index("poros_fx")
+    args = dict(zip(command[6::2], command[7::2]))
+    assert args == {"--models": "qwen2.5-7b", "--methods": "unsloth_offload", "--seqs": "512", "--accums": "4",
+                    "--steps": "2", "--warmup": "1", "--device": "cpu",
+                    "--checkpoints": str(tmp_path / "ckpt"), "--json": "/o.json", "--unsloth-offload-layers": "20"}
 
 
 def test_unsloth_rows_run_in_their_own_process_or_skip(tmp_path, monkeypatch):
     """Without Unsloth: a "skipped" row, no checkpoint written, the run goes on. With the stand-in: each row
     in a worker process that imports unsloth before transformers, loads the checkpoint by absolute path with
     local_files_only, asks each method's options, and its row merges beside ours."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # the worker processes import this checkout
     doc = bench.run(_config(tmp_path, "unsloth_resident,peft_resident"), log=lambda s: None)
     rows = {r["method"]: r for r in doc["rows"]}
     assert rows["unsloth_resident"]["error"].startswith("skipped: unsloth not importable")
@@ -150,6 +154,6 @@ def test_unsloth_rows_run_in_their_own_process_or_skip(tmp_path, monkeypatch):
     # the worker alone, without the stand-in on its path: the skipped row is the worker's own answer too
     monkeypatch.setenv("PYTHONPATH", "")
     out = tmp_path / "row.json"
-    subprocess.run(unsloth.worker_command(folder, RowSpec("tiny", "unsloth_resident", None, 32, 1),
+    subprocess.run(unsloth.worker_command(RowSpec("tiny", "unsloth_resident", None, 32, 1),
                                           _config(tmp_path, "unsloth_resident"), out), check=True)
     assert json.loads(out.read_text())["error"].startswith("skipped: unsloth not importable (ModuleNotFoundError")

@@ -1,15 +1,18 @@
 """What the command line prints: full help at 80 columns, one error style, filtered third-party noise, the
 peak/total report, a too-small memory budget refused before compiling."""
 
+import ast
 import logging
 import re
+from pathlib import Path
 
 import pytest
 from train_helper import run_cli
 
 from poros_fx.models.tiny import tiny_config
 
-COMMANDS = ("doctor", "check", "dump", "train", "eval", "export", "bench")
+COMMANDS = ("demo", "doctor", "check", "dump", "train", "eval", "export", "exactness", "bench")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("columns", ["80", "200"])
@@ -42,6 +45,30 @@ def test_one_error_style(capsys, tmp_path):
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, out, err)
         assert "Traceback" not in err and "╭" not in err
     assert not (tmp_path / "a").exists()
+
+
+def test_one_command_line():
+    """The package declares one console script, and no module of it but poros_fx/__main__.py (which runs that
+    script's app) has a `__main__` block: every command, benchmark workers included, goes through `poros-fx`."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert project["scripts"] == {"poros-fx": "poros_fx.cli:main"}
+
+    def main_blocks(path: Path) -> bool:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.If) and isinstance(node.test, ast.Compare) and \
+                    any(isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators):
+                return True
+        return False
+
+    modules = sorted((ROOT / "poros_fx").rglob("*.py")) + sorted((ROOT / "passes").rglob("*.py"))
+    assert len(modules) > 50
+    with_main = [str(p.relative_to(ROOT)) for p in modules if main_blocks(p)]
+    assert with_main == ["poros_fx/__main__.py"]
 
 
 def test_bitsandbytes_cpu_kernel_line_is_filtered(caplog):

@@ -2,16 +2,17 @@
 
 import pytest
 import torch
+from train_helper import run_cli
 
 import poros_fx
-from poros_fx.cli.demo import main
 from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 
 def test_main_job_writes_a_standard_adapter(tmp_path, capsys):
     out = tmp_path / "adapter"
-    assert main(["--steps", "3", "--layers", "2", "--out", str(out)]) == 0
-    printed = capsys.readouterr().out
+    code, printed, err = run_cli(capsys, "demo", "--steps", "3", "--layers", "2", "--out", str(out))
+    assert code == 0, err
+    assert "EXACT: torch.equal" in printed
     assert "loss=0.00e+00  weights=0.00e+00  grad_norms=0.00e+00  optimizer=0.00e+00" in printed
     assert (out / "adapter_model.safetensors").exists() and (out / "adapter_config.json").exists()
 
@@ -89,27 +90,36 @@ def test_compiling_says_where_it_is(caplog):
     assert "partitioned in" in text and "forward" in text and "backward" in text
 
 
+def test_main_job_lists_its_options(capsys):
+    code, out, err = run_cli(capsys, "demo", "--help")
+    assert code == 0 and not err
+    for flag in ("--family", "--nf4", "--layers", "--steps", "--accumulate", "--block-size", "--prefetch", "--device",
+                 "--codegen", "--out"):
+        assert flag in out, flag
+
+
 @pytest.mark.parametrize("args,option,says", [
-    (["--steps", "0"], "--steps", "must be an integer >= 1, got 0"),
-    (["--accumulate", "0"], "--accumulate", "must be an integer >= 1, got 0"),
-    (["--layers", "0"], "--layers", "must be an integer >= 1, got 0"),
-    (["--block-size", "-2"], "--block-size", "must be an integer >= 1, got -2"),
-    (["--steps", "ten"], "--steps", "got 'ten'"),
+    (["--steps", "0"], "--steps", "greater than or equal to 1"),
+    (["--accumulate", "0"], "--accumulate", "greater than or equal to 1"),
+    (["--layers", "0"], "--layers", "greater than or equal to 1"),
+    (["--block-size", "-2"], "--block-size", "greater than or equal to 1"),
+    (["--steps", "ten"], "--steps", "valid integer"),
     (["--prefetch", "-1"], "--prefetch", "must be an integer >= 0"),
     (["--device", "tpu"], "--device", "must be cpu or cuda"),
+    (["--codegen", "fast"], "--codegen", "must be inductor or eager"),
+    (["--family", "gpt2"], "--family", "must be one of"),
 ])
 def test_main_job_refuses_bad_options(args, option, says, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(args)
-    assert info.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"python -m poros_fx: error: argument {option}: ") and says in err[-1], err
-    assert "parse_prefetch" not in err[-1] and "Traceback" not in "\n".join(err)
+    """Refused before anything is built: exit 2 and one `error:` line naming the option."""
+    code, out, err = run_cli(capsys, "demo", *args)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), (args, err)
+    assert f"'{option}'" in lines[0] and says in lines[0], lines[0]
+    assert "parse_prefetch" not in err and "Traceback" not in err and "steps in" not in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a build or machine without CUDA")
 def test_main_job_refuses_cuda_without_cuda(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["--device", "cuda"])
-    assert info.value.code == 2
-    assert "argument --device: 'cuda' was asked for but torch sees no CUDA device" in capsys.readouterr().err
+    code, _, err = run_cli(capsys, "demo", "--device", "cuda")
+    assert code == 2
+    assert "'cuda' was asked for but torch sees no CUDA device" in err

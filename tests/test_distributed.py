@@ -11,6 +11,7 @@ on N GPUs with NCCL (``poros_fx.distributed.init_process_group`` picks it); thos
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing
 import os
 import shutil
@@ -331,25 +332,32 @@ def test_a_shared_arena_is_page_locked_by_each_mapping(shm):
 
 # -- the multi-GPU benchmark launcher, on CPU ------------------------------------------------------------
 
-def test_multi_bench_runs_poros_on_two_ranks_and_records_failures(tmp_path):
+def test_multi_bench_runs_poros_on_two_ranks_and_records_failures(tmp_path, capsys):
+    """`poros-fx bench --nproc`: each row a torchrun job of `poros-fx bench --worker multi-gpu` ranks."""
+    from train_helper import run_cli
+
+    from poros_fx.bench import make_multi_config
     from poros_fx.bench import multi_gpu as multi_bench
 
-    args = multi_bench.parse(["--device", "cpu", "--model", "tiny", "--rows", "poros:2", "--steps", "1",
-                              "--warmup", "1", "--seq", "16", "--out", str(tmp_path)])
-    doc = multi_bench.launch(args)
+    code, out, err = run_cli(capsys, "bench", "--nproc", "2", "--device", "cpu", "--models", "tiny", "--rows", "poros:2",
+                             "--steps", "1", "--warmup", "1", "--seqs", "16", "--json", str(tmp_path / "multi.json"))
+    assert code == 0, err
+    results = tmp_path / "multi"  # the --json path without its suffix
+    doc = json.loads((results / "multi_bench.json").read_text())
+    assert doc["command"].startswith("poros-fx bench --nproc 2") and "| poros | 2 |" in out
+    config = make_multi_config(nproc=2, device="cpu", models="tiny", seqs="16")
     (row,) = doc["rows"]
     assert row.get("error") is None, row.get("error")
     assert (row["method"], row["nproc"], len(row["ranks"]), len(row["loss"])) == ("poros", 2, 2, 2)
     assert row["tokens_per_s"] > 0 and len(row["host_pss_gb"]) == 1  # two ranks, one host
     assert "peak_gb" not in row  # no GPU
-    saved = (tmp_path / "multi_bench.json").read_text()
-    assert '"tokens_per_s"' in saved and "| poros | 2 |" in (tmp_path / "multi_bench.md").read_text()
-    assert (tmp_path / "logs" / "poros-2.log").exists()
+    saved = (results / "multi_bench.json").read_text()
+    assert '"tokens_per_s"' in saved and "| poros | 2 |" in (results / "multi_bench.md").read_text()
+    assert (results / "logs" / "poros-2.log").exists()
     # a rank's error becomes the row's, named by rank
     failed = multi_bench.summarize([{"rank": 0, "error": "ValueError: quant_state is required"},
-                                    {"rank": 1, "error": "ValueError: quant_state is required"}], args)
+                                    {"rank": 1, "error": "ValueError: quant_state is required"}], config)
     assert failed["error"] == "rank 0: ValueError: quant_state is required; rank 1: ValueError: quant_state is required"
-    assert multi_bench.rows(multi_bench.parse(["--device", "cpu", "--nproc", "4"])) == [
-        ("poros", 1), ("poros", 4), ("fsdp2_offload", 4)]
-    with pytest.raises(SystemExit):
-        multi_bench.rows(multi_bench.parse(["--device", "cpu", "--rows", "poros:0"]))
+    assert make_multi_config(nproc=4, device="cpu").rows == (("poros", 1), ("poros", 4), ("fsdp2_offload", 4))
+    with pytest.raises(ValueError, match="--rows: 'poros:0'"):
+        make_multi_config(nproc=2, device="cpu", rows="poros:0")

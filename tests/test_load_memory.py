@@ -1,4 +1,4 @@
-"""scripts/load_memory.py end to end on the CPU: a tiny checkpoint written, loaded and measured in child
+"""benchmarks/scripts/load_memory.py end to end on the CPU: a tiny checkpoint written, loaded and measured in child
 processes, the JSON and markdown written."""
 
 import importlib.util
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "load_memory.py"
+SCRIPT = ROOT / "benchmarks" / "scripts" / "load_memory.py"
 
 
 def test_load_memory_runs_on_cpu_with_a_tiny_shape(tmp_path):
@@ -38,7 +38,7 @@ def test_load_memory_runs_on_cpu_with_a_tiny_shape(tmp_path):
     assert (work / "qwen25-tiny-bf16" / "config.json").is_file()
 
     md = (out / "load_memory.md").read_text()
-    assert "scripts/load_memory.py --device cpu --shape tiny --cases ckpt-0.5b,config-32b" in md
+    assert "benchmarks/scripts/load_memory.py --device cpu --shape tiny --cases ckpt-0.5b,config-32b" in md
     assert "| ckpt-tiny | ok |" in md and "| config-tiny | ok |" in md
 
 

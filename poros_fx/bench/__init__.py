@@ -1,8 +1,9 @@
-"""The side-by-side benchmark (issue 3): PEFT baselines and poros in one process, one JSON matrix.
+"""The side-by-side benchmark behind ``poros-fx bench``: PEFT baselines and poros, one JSON matrix.
 
-    python -m poros_fx.bench --models 7b --json out/bench.json          # on the GPU
+    poros-fx bench --models 7b --json out/bench.json          # on the GPU
     poros-fx bench --models 0.5b,7b --methods poros --block-sizes 1,2,4 --json out/bench.json
-    python -m poros_fx.bench --device cpu --models tiny --steps 2       # CPU smoke run
+    poros-fx bench --device cpu --models tiny --steps 2       # CPU smoke run
+    poros-fx bench --nproc 2 --models 7b --json out/multi.json   # the multi-GPU rows (multi_gpu.py), in out/multi/
 
 Methods (``METHODS``): ``peft_resident`` (PEFT LoRA on a bitsandbytes NF4 base, eager),
 ``peft_checkpointing`` (the same + non-reentrant activation checkpointing), ``compiled_resident``
@@ -59,24 +60,26 @@ stops starting rows once exceeded (the one in flight finishes) and says so in th
 ``compile_cold_s``), then the bench runs it again in a second process on that cache
 (``first_step_warm_s``, ``compile_warm_s``).
 
-On the lent H200 run it as ``python3 -m poros_fx.bench`` (the machine may lack typer, which only the
-``poros-fx`` script needs); put the previous call's JSON at the ``--json`` path to extend it.
+Put a previous run's JSON at the ``--json`` path to extend it.
 
 Modules: ``methods`` (what a row runs), ``config`` (the command line's choices, the rows planned),
 ``run`` (building the model, measuring a row, the run loop), ``unsloth`` / ``unsloth_worker`` (the
-peer's rows), ``warm`` (compile cold and warm), ``report`` (JSON merging, markdown, plot), ``cli``
-(``python -m poros_fx.bench``).
+peer's rows), ``warm`` (compile cold and warm), ``report`` (JSON merging, markdown, plot), ``multi_gpu``
+(the multi-GPU rows), ``options`` (the help of every option of ``poros-fx bench``, which ``cli/app.py``
+declares).
 """
 
 from .config import (DEFAULT_ACCUMS, DEFAULT_BLOCK_SIZES, DEFAULT_CHECKPOINTS, DEFAULT_METHODS, DEFAULT_MODELS,
-                     DEFAULT_SEQS, MODEL_ORDER, NO_CUDA_MESSAGE, SIZES, BenchConfig, RowSpec, make_config, model_name, plan, shapes)
+                     DEFAULT_SEQS, MODEL_ORDER, MULTI_METHODS, NO_CUDA_MESSAGE, SIZES, BenchConfig, MultiGpuConfig,
+                     RowSpec, make_config, make_multi_config, model_name, plan, shapes)
 from .methods import METHODS, Method, Runner, State
 from .report import load, markdown, merge, plot, ratios, save, start_run, upsert, write_outputs
 from .run import ModelHolder, environment, measure_pinned_h2d, run, run_row
-from .options import HELP, MODELS_HELP, main, parser
+from .options import HELP, MODELS_HELP
 
-__all__ = ["BenchConfig", "METHODS", "Method", "ModelHolder", "RowSpec", "Runner", "State", "environment", "load",
-           "main", "make_config", "markdown", "measure_pinned_h2d", "merge", "model_name", "parser", "plan", "plot",
+__all__ = ["BenchConfig", "METHODS", "Method", "ModelHolder", "MultiGpuConfig", "RowSpec", "Runner", "State",
+           "environment", "load", "make_config", "make_multi_config", "markdown", "measure_pinned_h2d", "merge",
+           "model_name", "plan", "plot",
            "ratios", "run", "run_row", "save", "shapes", "start_run", "upsert", "write_outputs",
            "DEFAULT_ACCUMS", "DEFAULT_BLOCK_SIZES", "DEFAULT_CHECKPOINTS", "DEFAULT_METHODS", "DEFAULT_MODELS",
-           "DEFAULT_SEQS", "HELP", "MODEL_ORDER", "MODELS_HELP", "NO_CUDA_MESSAGE", "SIZES"]
+           "DEFAULT_SEQS", "HELP", "MODEL_ORDER", "MODELS_HELP", "MULTI_METHODS", "NO_CUDA_MESSAGE", "SIZES"]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Any, Literal, Mapping
 
 from .methods import METHODS, Method, State
 from ..errors import PorosConfigError
 from ..units import parse_size
-from ..models.tiny import SHAPE_CONFIGS
+from ..models.tiny import SHAPE_CONFIGS, qwen25_config, shape_config, tiny_config
 
 NO_CUDA_MESSAGE = "poros-fx bench needs a CUDA GPU; use --device cpu --models tiny for a smoke run"
 SIZES = ("0.5b", "7b", "32b", "72b")
@@ -22,6 +22,9 @@ DEFAULT_SEQS = "512,2048"
 DEFAULT_ACCUMS = "1,4"
 ROW_KEY = ("model", "method", "block_size", "seq", "accum")
 DEFAULT_CHECKPOINTS = "/tmp/poros-bench-checkpoints"  # the Unsloth rows' checkpoints (the device's disk)
+MULTI_METHODS = ("poros", "fsdp2_offload")  # the multi-GPU rows' (--nproc)
+MULTI_WARMUP = 2  # the multi-GPU rows' untimed steps unless --warmup says otherwise
+MULTI_TIMEOUT_S = 1800  # seconds one multi-GPU row may run unless --row-timeout says otherwise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,13 @@ def model_name(name: str) -> str:
     return f"qwen2.5-{key}"
 
 
+def build_config(model: str) -> Any:
+    """The transformers config of a bench model name (``model_name``'s)."""
+    if model in SHAPE_CONFIGS:
+        return shape_config(model)
+    return tiny_config("qwen2", layers=2) if model == "tiny" else qwen25_config(model.removeprefix("qwen2.5-"))
+
+
 def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                 block_sizes: str = DEFAULT_BLOCK_SIZES, seqs: str = DEFAULT_SEQS, accums: str = DEFAULT_ACCUMS,
                 grid: str = "star", steps: int = 10, warmup: int = 1, device: str = "cuda",
@@ -114,6 +124,77 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                        compiled_resident=compiled_resident, profile_dir=Path(profile_dir) if profile_dir else None,
                        command=command, memory_budget=memory_budget, checkpoints=Path(checkpoints),
                        unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiGpuConfig:
+    """The multi-GPU rows (``poros-fx bench --nproc N``, ``multi_gpu.py``): one model and sequence length,
+    each row a torchrun job of ``rows`` processes; ``method`` and ``row_json`` are one worker's."""
+    rows: tuple[tuple[str, int], ...] = ()  # (method, processes) of every row to run
+    model: str = "qwen2.5-0.5b"  # model_name's
+    layers: int | None = None  # decoder layers built (None: the model's)
+    quantization: str = "nf4"
+    seq: int = 512
+    batch: int = 1  # rows per rank per step
+    steps: int = 10
+    warmup: int = MULTI_WARMUP
+    device: str = "cuda"
+    timeout: int = MULTI_TIMEOUT_S  # seconds one row may run
+    out: Path = Path("poros-bench")  # multi_bench.json, multi_bench.md and logs/ in this folder
+    command: str = ""
+    method: str = "poros"  # a worker's row
+    row_json: Path | None = None  # where a worker's rank 0 writes its row
+
+
+def multi_rows(nproc: int, methods: str = ",".join(MULTI_METHODS),
+               rows: str | None = None) -> tuple[tuple[str, int], ...]:
+    """(method, processes) of every multi-GPU row: poros on 1 and on ``nproc`` processes and fsdp2_offload on
+    ``nproc`` (those of ``methods``), or ``rows`` ("method:nproc,...") instead."""
+    chosen = tuple(m.strip() for m in methods.split(",") if m.strip())
+    unknown = [m for m in chosen if m not in MULTI_METHODS]
+    if unknown or not chosen:
+        raise ValueError(f"unknown multi-GPU method(s) {unknown}; with --nproc, --methods lists some of "
+                         f"{', '.join(MULTI_METHODS)}")
+    if rows:
+        out = []
+        for item in rows.split(","):
+            method, _, n = item.strip().partition(":")
+            if method not in MULTI_METHODS or not n.isdigit() or int(n) < 1:
+                raise ValueError(f"--rows: {item!r} is not method:nproc with method one of {', '.join(MULTI_METHODS)} "
+                                 "and nproc >= 1")
+            out.append((method, int(n)))
+        return tuple(out)
+    return ((("poros", 1), ("poros", nproc)) if "poros" in chosen else ()) + (
+        (("fsdp2_offload", nproc),) if "fsdp2_offload" in chosen else ())
+
+
+def make_multi_config(*, nproc: int, models: str = "0.5b", seqs: str = "512", methods: str | None = None,
+                      rows: str | None = None, layers: int | None = None, quantization: str | None = None,
+                      batch: int = 1, steps: int = 10, warmup: int | None = None, device: str = "cuda",
+                      timeout: int | None = None, out: str | Path = "poros-bench", command: str = "",
+                      row_json: str | Path | None = None) -> MultiGpuConfig:
+    """A checked ``MultiGpuConfig`` from the command-line strings: the first of ``models`` and of ``seqs``.
+    With ``row_json``, one worker's: ``methods`` names its row's method."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be >= 1, got {nproc}")
+    if layers is not None and layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {layers}")
+    if quantization not in (None, "nf4", "bf16"):
+        raise ValueError(f"--quantization must be nf4 or bf16, got {quantization!r}")
+    if steps < 1 or (warmup is not None and warmup < 1) or batch < 1:
+        raise ValueError("--steps, --warmup and --batch must be >= 1")
+    if timeout is not None and timeout < 1:
+        raise ValueError(f"--row-timeout must be >= 1 second, got {timeout}")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda with --nproc (torchrun gives each rank its GPU), got {device!r}")
+    planned = multi_rows(nproc, methods or ",".join(MULTI_METHODS), rows)
+    return MultiGpuConfig(rows=() if row_json else planned, method=planned[0][0],
+                          row_json=Path(row_json) if row_json else None,
+                          model=model_name(models.split(",")[0]), layers=layers, quantization=quantization or "nf4",
+                          seq=_ints(seqs, "seqs")[0], batch=batch, steps=steps,
+                          warmup=MULTI_WARMUP if warmup is None else warmup, device=device,
+                          timeout=MULTI_TIMEOUT_S if timeout is None else timeout, out=Path(out),
+                          command=command)
 
 
 def shapes(config: BenchConfig) -> list[tuple[int, int]]:

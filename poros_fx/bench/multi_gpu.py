@@ -1,13 +1,13 @@
 """The multi-GPU benchmark (issue 15): poros on 1 and on N GPUs of one host, and FSDP2 with CPU offload.
 
-    python -m poros_fx.bench.multi_gpu --nproc 2 --model 7b --out out/multi    # on a host with 2 GPUs
-    python -m poros_fx.bench.multi_gpu --device cpu --model tiny --nproc 2 --steps 2 --out /tmp/m  # CPU smoke
+    poros-fx bench --nproc 2 --models 7b --json out/multi.json    # on a host with 2 GPUs: out/multi/
+    poros-fx bench --nproc 2 --device cpu --models tiny --steps 2 --json /tmp/m.json  # CPU smoke run
 
-Each row is one ``torchrun --standalone --nproc-per-node n -m poros_fx.bench.multi_gpu worker ...`` run
+Each row is one ``torchrun --standalone --nproc-per-node n -m poros_fx bench --worker multi-gpu ...`` run
 (a fresh job, so rows do not share memory or compile caches), with the same recipe: random-init
 Qwen2.5 shape (``from_config``, NF4 by default), LoRA r16 alpha 32 dropout 0.05 on all seven
-projections, AdamW lr 1e-4, ``--batch`` rows of ``--seq`` tokens per rank per step (each rank its own
-batches), ``--warmup`` steps then ``--steps`` timed steps. Rows:
+projections, AdamW lr 1e-4, ``--batch`` rows of the first ``--seqs`` tokens per rank per step (each rank
+its own batches), ``--warmup`` steps (2 unless given) then ``--steps`` timed steps. Rows:
 
 * ``poros`` on 1 process and on ``--nproc`` processes: the base loaded once per host into a shared
   arena (``poros_fx.distributed.HostShare``), ``data_parallel`` + ``torch.compile(backend="poros")``,
@@ -29,7 +29,6 @@ a timed assertion; the tests check the shape of the results on CPU.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -53,94 +52,45 @@ from ..prepare import unprepare
 from ..runtime.share import host_key
 from ..stats import stats
 from .h2d import measure_ranks
-from ..models.tiny import lora_targets, qwen25_config, tiny_config
+from ..models.tiny import lora_targets
+from .config import MultiGpuConfig, build_config
 
-METHODS = ("poros", "fsdp2_offload")
 LOG_TAIL = 3000  # characters of a failed run's output kept in its row (the whole log is in logs/)
 
 
 # -- the launcher ----------------------------------------------------------------------------------
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m poros_fx.bench.multi_gpu", description=__doc__.split("\n\n")[0])
-    p.add_argument("mode", nargs="?", default="launch", choices=("launch", "worker"),
-                   help="launch (the default) runs every row; worker is one rank of one row (torchrun starts it)")
-    p.add_argument("--nproc", type=int, default=None, help="processes (GPUs) of the multi-GPU rows (default: every "
-                   "visible GPU; 2 on the CPU)")
-    p.add_argument("--model", default="0.5b", help="0.5b, 7b, 32b, 72b (Qwen2.5 shapes, random init) or tiny")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers to build (default: the model's)")
-    p.add_argument("--quantization", default="nf4", choices=("nf4", "bf16"))
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--batch", type=int, default=1, help="rows per rank per step")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--rows", default=None, help="method:nproc,... instead of the default rows (poros:1, "
-                   "poros:N, fsdp2_offload:N)")
-    p.add_argument("--device", default=None, choices=("cuda", "cpu"), help="default: cuda when present")
-    p.add_argument("--timeout", type=int, default=1800, help="seconds one row may run")
-    p.add_argument("--out", type=Path, default=Path("multi-bench"))
-    p.add_argument("--method", default="poros", help=argparse.SUPPRESS)  # worker: its row's method
-    p.add_argument("--row-json", type=Path, default=None, help=argparse.SUPPRESS)  # worker: where rank 0 writes
-    args = p.parse_args(argv)
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: torch sees no CUDA device")
-    if args.nproc is None:
-        args.nproc = torch.cuda.device_count() if args.device == "cuda" else 2
-    unknown = set(args.methods.split(",")) - set(METHODS)
-    if unknown:
-        p.error(f"unknown method(s) {sorted(unknown)}; known: {', '.join(METHODS)}")
-    return args
-
-
-def rows(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """(method, processes) of every row to run."""
-    if args.rows:
-        out = []
-        for item in args.rows.split(","):
-            method, _, n = item.partition(":")
-            if method not in METHODS or not n.isdigit() or int(n) < 1:
-                raise SystemExit(f"--rows: {item!r} is not method:nproc with method in {METHODS}")
-            out.append((method, int(n)))
-        return out
-    methods = args.methods.split(",")
-    return ([("poros", 1), ("poros", args.nproc)] if "poros" in methods else []) + (
-        [("fsdp2_offload", args.nproc)] if "fsdp2_offload" in methods else [])
-
-
-def worker_command(args: argparse.Namespace, method: str, nproc: int, row_json: Path) -> list[str]:
+def worker_command(config: MultiGpuConfig, method: str, nproc: int, row_json: Path) -> list[str]:
+    """The torchrun command of one row: ``nproc`` processes of ``poros-fx bench --worker multi-gpu``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "poros_fx.bench.multi_gpu", "worker", "--method", method, "--row-json", str(row_json),
-           "--model", args.model, "--quantization", args.quantization, "--seq", str(args.seq),
-           "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--device", args.device]
-    return cmd + (["--layers", str(args.layers)] if args.layers else [])
+           "-m", "poros_fx", "bench", "--worker", "multi-gpu", "--methods", method, "--json", str(row_json),
+           "--models", config.model, "--quantization", config.quantization, "--seqs", str(config.seq),
+           "--batch", str(config.batch), "--steps", str(config.steps), "--warmup", str(config.warmup),
+           "--device", config.device]
+    return cmd + (["--layers", str(config.layers)] if config.layers else [])
 
 
-def launch(args: argparse.Namespace) -> dict[str, Any]:
+def launch(config: MultiGpuConfig) -> dict[str, Any]:
     """Every row, one torchrun job each; the JSON and markdown rewritten after each row."""
-    out: Path = args.out
+    out = config.out
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    doc: dict[str, Any] = {"command": shlex.join([sys.executable, "-m", "poros_fx.bench.multi_gpu",
-                                                  *sys.argv[1:]]) if args.mode == "launch" else None,
-                           "recipe": {k: getattr(args, k) for k in ("model", "layers", "quantization", "seq", "batch",
-                                                                   "steps", "warmup", "device")},
+    doc: dict[str, Any] = {"command": config.command or None,
+                           "recipe": {k: getattr(config, k) for k in ("model", "layers", "quantization", "seq", "batch",
+                                                                     "steps", "warmup", "device")},
                            "rows": []}
-    for method, nproc in rows(args):
+    for method, nproc in config.rows:
         row_json = out / f"{method}-{nproc}.json"
         row_json.unlink(missing_ok=True)
         log_path = out / "logs" / f"{method}-{nproc}.log"
-        cmd = worker_command(args, method, nproc, row_json)
+        cmd = worker_command(config, method, nproc, row_json)
         started = time.perf_counter()
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=config.timeout, env=env)
             output, code = res.stdout + res.stderr, res.returncode
         except subprocess.TimeoutExpired as e:
             output = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            output += f"\n[multi_bench] killed after {args.timeout} s (--timeout)"
+            output += f"\n[multi_bench] killed after {config.timeout} s (--row-timeout)"
             code = None
         log_path.write_text(f"$ {shlex.join(cmd)}\n{output}")
         row: dict[str, Any] = {"method": method, "nproc": nproc, "wall_s": round(time.perf_counter() - started, 1),
@@ -231,39 +181,41 @@ def memory_sampler(every: float = 0.2) -> Iterator[dict[str, int]]:
             peak[key] = max(peak[key], now.get(key, 0))
 
 
-def _config(args: argparse.Namespace) -> Any:
-    config = tiny_config("qwen2", layers=2) if args.model == "tiny" else qwen25_config(args.model)
-    if args.layers:
-        config.num_hidden_layers = args.layers
-    return config
+def _config(config: MultiGpuConfig) -> Any:
+    hf_config = build_config(config.model)
+    if config.layers:
+        hf_config.num_hidden_layers = config.layers
+    return hf_config
 
 
-def _lora() -> Any:
+def _lora(model_type: str) -> Any:
     import peft
 
-    return peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=lora_targets("qwen2"))
+    return peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=lora_targets(model_type))
 
 
-def _poros_model(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Any, Any]:
+def _poros_model(config: MultiGpuConfig, device: torch.device) -> tuple[torch.nn.Module, Any, Any]:
     """(model, what to call, context of each call): the shared base, DDP when there are several ranks."""
     import torch.distributed as dist
 
     torch.manual_seed(0)  # the LoRA init, the same on every rank
-    model = from_config(_config(args), quantization=args.quantization, device=device, seed=0, lora=_lora(),
-                        progress=False)
+    hf_config = _config(config)
+    model = from_config(hf_config, quantization=config.quantization, device=device, seed=0,
+                        lora=_lora(hf_config.model_type), progress=False)
     model.train()
     wrapped = distributed.data_parallel(model) if dist.get_world_size() > 1 else model
     return model, torch.compile(wrapped, backend="poros"), distributed.no_ddp_optimizer
 
 
-def _fsdp2_model(args: argparse.Namespace, device: torch.device) -> tuple[torch.nn.Module, Any, Any]:
+def _fsdp2_model(config: MultiGpuConfig, device: torch.device) -> tuple[torch.nn.Module, Any, Any]:
     """The same PEFT model under FSDP2 with CPU offload (every rank builds it; fully_shard keeps its shard)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     torch.manual_seed(0)
-    model = from_config(_config(args), quantization=args.quantization, device=device, seed=0, lora=_lora(),
-                        progress=False, share=False)
+    hf_config = _config(config)
+    model = from_config(hf_config, quantization=config.quantization, device=device, seed=0,
+                        lora=_lora(hf_config.model_type), progress=False, share=False)
     unprepare(model)  # the PEFT + bitsandbytes model as the loader built it: base on the host, adapter on the device
     model.train()
     mesh = init_device_mesh(device.type, (int(os.environ["WORLD_SIZE"]),))
@@ -274,7 +226,7 @@ def _fsdp2_model(args: argparse.Namespace, device: torch.device) -> tuple[torch.
     return model, model, contextlib.nullcontext
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(config: MultiGpuConfig) -> None:
     """One rank of one row: build, warm up, time, gather to rank 0, which writes the row's JSON."""
     import torch.distributed as dist
 
@@ -288,13 +240,13 @@ def worker(args: argparse.Namespace) -> None:
             record["pinned_gbps"] = measure_ranks()[rank]["together"]
             torch.cuda.reset_peak_memory_stats(device)
         with memory_sampler() as memory:
-            build = _poros_model if args.method == "poros" else _fsdp2_model
-            model, step_model, call_context = build(args, device)
+            build = _poros_model if config.method == "poros" else _fsdp2_model
+            model, step_model, call_context = build(config, device)
             params = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(params, lr=1e-4)
             g = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
-            vocab = _config(args).vocab_size
-            times, loss, loaded = _steps(args, step_model, optimizer, call_context, g, vocab, device, model)
+            vocab = _config(config).vocab_size
+            times, loss, loaded = _steps(config, step_model, optimizer, call_context, g, vocab, device, model)
         record.update(host_pss_bytes=memory["Pss"], host_rss_bytes=memory["Rss"], s_per_step=statistics.median(times),
                       loss=loss, step_times=times)
         if loaded is not None and device.type == "cuda":
@@ -312,13 +264,13 @@ def worker(args: argparse.Namespace) -> None:
     gc.collect()
     dist.destroy_process_group()
     if rank == 0:
-        args.row_json.write_text(json.dumps(summarize(records, args), indent=1))
+        config.row_json.write_text(json.dumps(summarize(records, config), indent=1))
     failed = [r for r in records if "error" in r]
     if failed:
         raise SystemExit(f"rank {failed[0]['rank']}: {failed[0]['error']}")
 
 
-def _steps(args: argparse.Namespace, step_model: Any, optimizer: torch.optim.Optimizer, call_context: Any,
+def _steps(config: MultiGpuConfig, step_model: Any, optimizer: torch.optim.Optimizer, call_context: Any,
            g: torch.Generator, vocab: int, device: torch.device,
            model: torch.nn.Module) -> tuple[list[float], float, int | None]:
     """Warm-up and timed steps; returns the timed steps' seconds, the last loss, and the base bytes the
@@ -329,10 +281,10 @@ def _steps(args: argparse.Namespace, step_model: Any, optimizer: torch.optim.Opt
 
     times: list[float] = []
     loss_value = float("nan")
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup and get_store(model) is not None:
+    for i in range(config.warmup + config.steps):
+        if i == config.warmup and get_store(model) is not None:
             stats(model, reset=True)
-        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g).to(device)
+        ids = torch.randint(0, vocab, (config.batch, config.seq), generator=g).to(device)
         sync()
         start = time.perf_counter()
         with call_context():
@@ -341,13 +293,13 @@ def _steps(args: argparse.Namespace, step_model: Any, optimizer: torch.optim.Opt
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sync()
-        if i >= args.warmup:
+        if i >= config.warmup:
             times.append(time.perf_counter() - start)
         loss_value = float(loss.detach())
     return times, loss_value, stats(model)["bytes_loaded"] if get_store(model) is not None else None
 
 
-def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], config: MultiGpuConfig) -> dict[str, Any]:
     """One row from every rank's record."""
     row: dict[str, Any] = {"ranks": records}
     errors = [f"rank {r['rank']}: {r['error']}" for r in records if "error" in r]
@@ -356,7 +308,7 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
         return row
     world = len(records)
     step = max(r["s_per_step"] for r in records)  # DDP makes every rank wait for the slowest
-    row.update(s_per_step=round(step, 5), tokens_per_s=round(world * args.batch * args.seq / step, 2),
+    row.update(s_per_step=round(step, 5), tokens_per_s=round(world * config.batch * config.seq / step, 2),
                loss=[round(r["loss"], 5) for r in records])
     hosts: dict[str, int] = {}
     for r in records:
@@ -369,16 +321,3 @@ def summarize(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
     if all("pinned_gbps" in r for r in records):
         row["pinned_gbps"] = [round(r["pinned_gbps"], 2) for r in records]
     return row
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
-    if args.mode == "worker":
-        worker(args)
-    else:
-        doc = launch(args)
-        print(markdown(doc))
-
-
-if __name__ == "__main__":
-    main()

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import calculate_time_spent, counters
 
-from .config import ROW_KEY, BenchConfig, RowSpec, plan
+from .config import ROW_KEY, BenchConfig, RowSpec, build_config, plan
 from .methods import METHODS, Method, State
 from .report import _label, load, md_path, plot_path, save, start_run, upsert
 from . import unsloth
@@ -30,7 +30,7 @@ from ..options import resolve_device
 from ..stats import stats
 from .h2d import copy_seconds
 from .profiling import profile_step
-from ..models.tiny import SHAPE_CONFIGS, lora_targets, qwen25_config, shape_config, tiny_config
+from ..models.tiny import lora_targets
 
 
 def measure_pinned_h2d(device: str | torch.device = "cuda", mib: int = 512, reps: int = 5) -> float:
@@ -67,13 +67,6 @@ def _free(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     torch._dynamo.reset()  # compiled graphs hold their model's tensors and would recompile-guard on the next row
-
-
-def build_config(model: str) -> Any:
-
-    if model in SHAPE_CONFIGS:
-        return shape_config(model)
-    return tiny_config("qwen2", layers=2) if model == "tiny" else qwen25_config(model.removeprefix("qwen2.5-"))
 
 
 class ModelHolder:

@@ -1,5 +1,5 @@
 """What every benchmark report holds: the environment it ran in, its cells, its markdown tables, and the
-JSON + markdown pair it writes (``scripts/load_memory.py`` and the other benchmark scripts)."""
+JSON + markdown pair it writes (``benchmarks/scripts/load_memory.py`` and the other benchmark scripts)."""
 
 from __future__ import annotations
 

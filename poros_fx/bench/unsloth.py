@@ -5,9 +5,9 @@ our in-memory model). ``checkpoint`` writes the bench's random-init model of a s
 weights as our rows (``from_config`` with the bench's seed, no adapter), in bf16 safetensors up to 7B
 (Unsloth quantizes them to NF4 on load, as bitsandbytes does for us), and from 32B on pre-quantized
 bitsandbytes NF4 with its ``quantization_config`` (a bf16 32B does not fit the device's 64 GB disk),
-with the small tokenizer of ``models/tiny_tokenizer.py`` beside it. ``measure`` runs
-``unsloth_worker.py`` on it (by path, with ``UNSLOTH_ENV``) and fills the bench row from the JSON the
-worker writes; an Unsloth that is not installed gives a "skipped" row without writing a checkpoint.
+with the small tokenizer of ``models/tiny_tokenizer.py`` beside it. ``measure`` runs the worker on it
+(``poros-fx bench --worker unsloth``, ``unsloth_worker.py``, with ``UNSLOTH_ENV``) and fills the bench row
+from the JSON the worker writes; an Unsloth that is not installed gives a "skipped" row without writing a checkpoint.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from ..io.loader import from_config
 from ..prepare import unprepare
 from ..models.tiny_tokenizer import tiny_tokenizer
 from .config import BenchConfig, RowSpec
+from .unsloth_worker import UNSLOTH_FIRST
 
-WORKER = Path(__file__).with_name("unsloth_worker.py")
 UNSLOTH_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "UNSLOTH_DISABLE_STATISTICS": "1",
                "HF_HUB_DISABLE_TELEMETRY": "1"}
 MARKER = "poros-checkpoint.json"  # written last: a folder without it is half-written and is written again
@@ -111,14 +111,15 @@ def _write_shards(state: dict[str, torch.Tensor], folder: Path) -> int:
     return len(groups)
 
 
-def worker_command(folder: Path, spec: RowSpec, config: BenchConfig, out: Path) -> list[str]:
-    """The worker's command line for one row."""
-    command = [sys.executable, str(WORKER), "--checkpoint", str(folder), "--method", spec.method,
-               "--seq", str(spec.seq), "--accum", str(spec.accum), "--batch", str(config.batch),
-               "--steps", str(config.steps), "--warmup", str(config.warmup), "--seed", str(config.seed),
-               "--out", str(out)]
+def worker_command(spec: RowSpec, config: BenchConfig, out: Path) -> list[str]:
+    """The worker's command line for one row: Unsloth imported first, then ``poros-fx bench --worker unsloth``
+    (the checkpoint folder is ``checkpoint_dir(--checkpoints, the model, the seed)``)."""
+    command = [sys.executable, "-c", UNSLOTH_FIRST, "bench", "--worker", "unsloth", "--models", spec.model,
+               "--methods", spec.method, "--seqs", str(spec.seq), "--accums", str(spec.accum),
+               "--steps", str(config.steps), "--warmup", str(config.warmup),
+               "--device", config.device, "--checkpoints", str(config.checkpoints), "--json", str(out)]
     if config.unsloth_offload_layers is not None:
-        command += ["--offload-layers", str(config.unsloth_offload_layers)]
+        command += ["--unsloth-offload-layers", str(config.unsloth_offload_layers)]
     return command
 
 
@@ -134,7 +135,7 @@ def measure(row: dict[str, Any], spec: RowSpec, config: BenchConfig, hf_config: 
                          "write_s": written["write_s"]}
     with tempfile.TemporaryDirectory(prefix="poros-unsloth-") as tmp:
         out = Path(tmp) / "row.json"
-        command = worker_command(folder, spec, config, out)
+        command = worker_command(spec, config, out)
         log(f"  {' '.join(command)}")
         try:
             done = subprocess.run(command, env={**os.environ, **UNSLOTH_ENV}, capture_output=True, text=True,

@@ -2,7 +2,7 @@
 
 Cold: the row runs in the bench's process inside ``torch._inductor.utils.fresh_cache`` (an empty
 ``TORCHINDUCTOR_CACHE_DIR`` with Triton's cache inside it, Inductor's in-memory caches cleared), kept
-after the row. Warm: the bench then starts ``python -m poros_fx.bench`` for that row alone with
+after the row. Warm: the bench then starts ``python -m poros_fx bench`` for that row alone with
 the same cache folder, as a user's second run on the machine would (a new process: Dynamo, AOTAutograd
 and the regions start from nothing but the on-disk caches). The row gets ``first_step_cold_s`` /
 ``compile_cold_s`` from the first and ``first_step_warm_s`` / ``compile_warm_s`` (and the second
@@ -38,7 +38,7 @@ def cold_cache(root: Path) -> Iterator[Path]:
 
 def warm_command(spec: RowSpec, config: BenchConfig, json_path: Path) -> list[str]:
     """The second process's command line: the bench for this row alone, without ``--compile-warm``."""
-    command = [sys.executable, "-m", "poros_fx.bench", "--models", spec.model, "--methods", spec.method,
+    command = [sys.executable, "-m", "poros_fx", "bench", "--models", spec.model, "--methods", spec.method,
                "--block-sizes", str(spec.block_size or 1), "--seqs", str(spec.seq), "--accums", str(spec.accum),
                "--steps", str(min(config.steps, WARM_STEPS)), "--warmup", "1", "--device", config.device,
                "--json", str(json_path)]

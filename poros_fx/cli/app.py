@@ -1,5 +1,7 @@
-"""``poros-fx``: the command line (``doctor``, ``check``, ``dump``, ``train``, ``eval``, ``export``, ``bench``).
+"""``poros-fx``: the command line (``demo``, ``doctor``, ``check``, ``dump``, ``train``, ``eval``, ``export``,
+``exactness``, ``bench``).
 
+    poros-fx demo                        # a tiny LoRA model trained streamed and resident: bit-exact or exit 1
     poros-fx doctor                      # versions, CUDA, pinned H2D bandwidth, backend="poros" resolves
     poros-fx check qwen2.5-32b           # family status, base bytes per block, predicted resident peak
     poros-fx check ./my-model/config.json --quantization bf16 --block-size 2
@@ -14,8 +16,8 @@ MODEL_OR_CONFIG is a built-in shape (qwen2.5-0.5b, -7b, -32b, -72b), a ``config.
 holding one, or a hub id already in the local huggingface cache (nothing is downloaded).
 
 This module is the typer app and the commands that inspect (``doctor``, ``check``, ``dump``) or measure
-(``exactness``, ``bench``); ``train.py`` holds ``train``, ``eval`` and ``export``, ``options.py`` the
-options several commands share. The substance lives in ``training/``, ``bench/`` and ``exactness/``.
+(``exactness``, ``bench``); ``demo.py`` holds ``demo``, ``train.py`` ``train``, ``eval`` and ``export``,
+``options.py`` the options several commands share. The substance lives in ``training/``, ``bench/`` and ``exactness/``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from rich.table import Table
 from .. import bench as harness
 from .. import distributed
 from ..bench import multi_gpu as multi_bench
+from ..bench import unsloth, unsloth_worker
 from ..bench.h2d import measure_gpus, measure_ranks
 from ..compiler.backend import poros
 from ..compiler.estimate import lora_bytes, step_memory
@@ -48,6 +51,7 @@ from ..training.loop import Interrupted
 from ..training.sources import load_config, set_layers
 from ..training.terminal import check_writable, console, fail
 from ..units import format_bytes, parse_size
+from .demo import demo
 from .kernels import linear_attention_paths
 from .options import (
     CODEGEN_OPTION,
@@ -60,6 +64,7 @@ from .train import eval_command, export, train
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None, help="poros-fx: stream a frozen LoRA/QLoRA base "
                   "through the GPU block by block, bit-exact, as a torch.compile backend.")
+app.command()(demo)  # first in the help: the command to run first
 
 
 @app.command()
@@ -325,15 +330,25 @@ def exactness(examples: int = typer.Option(40, min=1, help="training configurati
 
 # -- bench ------------------------------------------------------------------------------------------
 
+WORKERS = ("multi-gpu", "unsloth")
+
+
+def worker_value(value: Optional[str]) -> Optional[str]:
+    if value is not None and value not in WORKERS:
+        raise typer.BadParameter(f"--worker must be one of {', '.join(WORKERS)}, got {value!r}")
+    return value
+
+
 @app.command()
 def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["models"]),
-          methods: str = typer.Option(harness.DEFAULT_METHODS, help=harness.HELP["methods"]),
+          methods: Optional[str] = typer.Option(None, help=harness.HELP["methods"]),
           block_sizes: str = typer.Option(harness.DEFAULT_BLOCK_SIZES, help=harness.HELP["block_sizes"]),
           seqs: str = typer.Option(harness.DEFAULT_SEQS, help=harness.HELP["seqs"]),
           accums: str = typer.Option(harness.DEFAULT_ACCUMS, help=harness.HELP["accums"]),
           grid: str = typer.Option("star", help=harness.HELP["grid"]),
           steps: int = typer.Option(10, min=1, help=harness.HELP["steps"]),
-          warmup: int = typer.Option(1, min=1, help=harness.HELP["warmup"]),
+          warmup: Optional[int] = typer.Option(None, min=1, help=harness.HELP["warmup"]),
+          batch: Optional[int] = typer.Option(None, min=1, help=harness.HELP["batch"]),
           device: str = typer.Option("cuda", help=harness.HELP["device"]),
           json_path: Path = typer.Option(Path("poros-bench.json"), "--json", help=harness.HELP["json"]),
           md: Optional[Path] = typer.Option(None, help=harness.HELP["md"]),
@@ -344,38 +359,65 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
           memory_budget: Optional[str] = typer.Option(None, help=harness.HELP["memory_budget"]),
           checkpoints: Path = typer.Option(Path(harness.DEFAULT_CHECKPOINTS), metavar="DIR",
                                            help=harness.HELP["checkpoints"]),
-          unsloth_offload_layers: Optional[int] = typer.Option(None, metavar="N",
+          unsloth_offload_layers: Optional[int] = typer.Option(None, min=1, metavar="N",
                                                                help=harness.HELP["unsloth_offload_layers"]),
           compile_warm: bool = typer.Option(False, "--compile-warm", help=harness.HELP["compile_warm"]),
-          nproc: Optional[int] = typer.Option(None, min=1, help="several GPUs: instead, poros on 1 and on NPROC GPUs "
-                                              "and FSDP2 with CPU offload, each a torchrun job (bench/multi_gpu.py; "
-                                              "the first of --models and --seqs; results in the --json path without "
-                                              "its suffix)")) -> None:
-    """Side-by-side benchmark: PEFT resident / checkpointing / compiled vs poros streamed and resident (JSON, md, PNG)."""
+          nproc: Optional[int] = typer.Option(None, min=1, help=harness.HELP["nproc"]),
+          rows: Optional[str] = typer.Option(None, metavar="METHOD:NPROC,...", help=harness.HELP["rows"]),
+          layers: Optional[int] = typer.Option(None, min=1, help=harness.HELP["layers"]),
+          quantization: Optional[str] = typer.Option(None, help=harness.HELP["quantization"]),
+          row_timeout: Optional[int] = typer.Option(None, min=1, metavar="SECONDS", help=harness.HELP["row_timeout"]),
+          worker: Optional[str] = typer.Option(None, hidden=True, callback=worker_value,
+                                               help=harness.HELP["worker"])) -> None:
+    """Side-by-side benchmark: PEFT resident / checkpointing / compiled, Unsloth, poros streamed and resident
+    (JSON, markdown, PNG); with --nproc, poros on one and on several GPUs and FSDP2 with CPU offload."""
     import shlex
     import sys
 
     import torch
 
-    if nproc is not None:
-        multi_bench.main(["--nproc", str(nproc), "--model", models.split(",")[0], "--seq", seqs.split(",")[0],
-                          "--steps", str(steps), "--warmup", str(warmup), "--device", device,
-                          "--out", str(json_path.with_suffix(""))])
-        return
-
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise fail(harness.NO_CUDA_MESSAGE)
+    command = shlex.join(["poros-fx", *sys.argv[1:]])
+    multi_only = {"--rows": rows, "--layers": layers, "--quantization": quantization, "--batch": batch,
+                  "--row-timeout": row_timeout}
+    one_gpu_only = {"--md": md, "--plot": plot, "--time-budget": time_budget, "--profile": profile,
+                    "--memory-budget": memory_budget, "--unsloth-offload-layers": unsloth_offload_layers,
+                    "--compiled-resident": compiled_resident or None, "--compile-warm": compile_warm or None}
     try:
-        config = harness.make_config(models=models, methods=methods, block_sizes=block_sizes, seqs=seqs, accums=accums,
-                                     grid=grid, steps=steps, warmup=warmup, device=device, json_path=json_path,
-                                     md_path=md, plot_path=plot, time_budget=time_budget,
-                                     compiled_resident=compiled_resident, profile_dir=profile,
-                                     memory_budget=memory_budget, checkpoints=checkpoints,
-                                     unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm,
-                                     command=shlex.join(["poros-fx", *sys.argv[1:]]))
+        if nproc is not None or worker == "multi-gpu":
+            given = [flag for flag, value in one_gpu_only.items() if value is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} {'does' if len(given) == 1 else 'do'} not apply to the "
+                                 "multi-GPU rows (--nproc): leave it out, or run without --nproc")
+            multi = harness.make_multi_config(
+                nproc=nproc or 1, models=models, seqs=seqs, methods=methods, rows=rows, layers=layers,
+                quantization=quantization, batch=batch or 1, steps=steps, warmup=warmup, device=device, timeout=row_timeout,
+                out=json_path.with_suffix(""), command=command, row_json=json_path if worker else None)
+        else:
+            given = [flag for flag, value in multi_only.items() if value is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the multi-GPU "
+                                 "rows only: give --nproc N too")
+            config = harness.make_config(models=models, methods=methods or harness.DEFAULT_METHODS,
+                                         block_sizes=block_sizes, seqs=seqs, accums=accums, grid=grid, steps=steps,
+                                         warmup=warmup or 1, device=device, json_path=json_path,
+                                         md_path=md, plot_path=plot, time_budget=time_budget,
+                                         compiled_resident=compiled_resident, profile_dir=profile,
+                                         memory_budget=memory_budget, checkpoints=checkpoints,
+                                         unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm,
+                                         command=command)
     except ValueError as e:
         raise fail(str(e))
-    harness.run(config)
+    if worker == "multi-gpu":
+        multi_bench.worker(multi)
+    elif nproc is not None:
+        console.print(multi_bench.markdown(multi_bench.launch(multi)), soft_wrap=True, highlight=False, markup=False)
+    elif worker == "unsloth":
+        (spec,), _ = harness.plan(config)
+        unsloth_worker.run_worker(spec, config, unsloth.checkpoint_dir(config.checkpoints, spec.model, config.seed))
+    else:
+        harness.run(config)
 
 
 app.command()(train)

@@ -7,7 +7,7 @@ dynamic (``poros_fx.mark_dynamic``, what ``@poros_fx.step``, ``PorosTrainer`` an
 and once as a plain ``torch.compile`` call, where Dynamo compiles the second length once more with
 symbolic sizes. Writes ``lengths.json`` and ``lengths.md`` to the folder given.
 
-    python scripts/lengths_bench.py OUT [--size 7b] [--codegen inductor] [--fixed 512]
+    python benchmarks/scripts/lengths_bench.py OUT [--size 7b] [--codegen inductor] [--fixed 512]
         [--lengths 384,640,256,1024,448,768,320,576]
 """
 

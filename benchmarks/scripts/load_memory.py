@@ -1,8 +1,8 @@
 """Host and GPU memory of the streamed loader (``poros_fx.load_pretrained`` / ``from_config``), case by case.
 
-    python3 scripts/load_memory.py --out OUT                       # all default cases on CUDA
-    python3 scripts/load_memory.py --cases ckpt-7b --out OUT       # one case
-    python3 scripts/load_memory.py --device cpu --shape tiny --out OUT   # the CPU smoke run (tests)
+    python3 benchmarks/scripts/load_memory.py --out OUT                       # all default cases on CUDA
+    python3 benchmarks/scripts/load_memory.py --cases ckpt-7b --out OUT       # one case
+    python3 benchmarks/scripts/load_memory.py --device cpu --shape tiny --out OUT   # the CPU smoke run (tests)
 
 Cases are KIND-SIZE, KIND one of
 
@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from poros_fx.io.host_memory import proc_meminfo as meminfo  # noqa: E402
@@ -470,7 +470,7 @@ def main_child(args: argparse.Namespace) -> int:
 def markdown(doc: dict[str, Any]) -> str:
     env = doc["env"]
     lines = [
-        "# Streamed loader memory (scripts/load_memory.py)", "",
+        "# Streamed loader memory (benchmarks/scripts/load_memory.py)", "",
         "Commands (the rows come from these runs, merged; the last ran last):" if doc.get("commands") else "Command:",
         "", "```", *(doc.get("commands") or [doc["command"]]), "```", "",
         *[f"Note: {n}" for n in doc.get("notes", [])], *([""] if doc.get("notes") else []),

@@ -1,6 +1,6 @@
 """Where does a compiled step part from eager? One forward+backward, LoRA grads compared per tensor.
 
-    python scripts/eager_gap.py --device cuda --shape 0.5b --deterministic
+    python benchmarks/scripts/eager_gap.py --device cuda --shape 0.5b --deterministic
 
 For each attention implementation (sdpa, eager) and each backend (aot_eager, poros streamed), prints
 whether the loss is equal to eager's, how many adapter gradients differ, the largest difference, and

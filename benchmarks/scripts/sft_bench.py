@@ -1,7 +1,7 @@
 """TRL's SFTTrainer on one GPU: ``PorosSFTTrainer`` (streamed) next to a plain ``SFTTrainer`` with PEFT and
 bitsandbytes (gradient checkpointing on, TRL's default), in one process.
 
-    python scripts/sft_bench.py OUT_DIR [--model 7b] [--steps 20] [--seq 512] [--methods poros,plain]
+    python benchmarks/scripts/sft_bench.py OUT_DIR [--model 7b] [--steps 20] [--seq 512] [--methods poros,plain]
 
 Qwen2.5 shapes with random weights (``poros_fx.models.tiny.qwen25_config``; no hub), NF4 base, LoRA r16 alpha 32
 on all seven projections, batch 1, sequences of ``--seq`` tokens (random ids, so every row is full length),

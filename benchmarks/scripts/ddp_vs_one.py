@@ -1,6 +1,6 @@
 """How far an N-rank poros run is from a one-process run with the same global batch (they are not equal).
 
-    torchrun --standalone --nproc-per-node 2 scripts/ddp_vs_one.py --out ddp_vs_one.json   # CPU (gloo) or GPUs
+    torchrun --standalone --nproc-per-node 2 benchmarks/scripts/ddp_vs_one.py --out ddp_vs_one.json   # CPU (gloo) or GPUs
 
 Every rank trains the same prepared tiny model (or ``--model 0.5b`` etc. on GPUs) streamed, under
 DDP, on its own rows of each global batch; then rank 0 trains an independent copy in one process on
