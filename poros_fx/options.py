@@ -76,7 +76,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def device_problem(text: str) -> str | None:
     """What is wrong with a command line's ``--device`` (cpu or cuda[:N], cuda only where torch sees one),
-    or ``None``; shared by the demo's and the CLI's option checks."""
+    or ``None``."""
     try:
         kind = torch.device(text).type
     except RuntimeError:  # torch cannot parse it

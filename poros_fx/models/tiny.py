@@ -1,7 +1,7 @@
 """Tiny real architectures built from ``transformers`` configs, with a LoRA adapter attached.
 
 Nothing is downloaded: the config is written here, the weights are random-init from a seed. Used by
-the demo (``python -m poros_fx``), the parity example and the tests.
+the demo (``poros-fx demo``), the parity example and the tests.
 """
 
 from __future__ import annotations
