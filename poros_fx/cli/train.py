@@ -7,6 +7,7 @@ state, evaluation, console) and ``io/export.py``. ``app.py`` registers these fun
 from __future__ import annotations
 
 import time
+import typing
 from pathlib import Path
 from typing import Optional
 
@@ -23,8 +24,8 @@ from ..training.loop import TrainOptions
 from ..training.loop import train as train_run
 from ..training.run_config import read_run_config
 from ..training.run_state import claim_out, resume_settings
-from ..training.sources import load_config, model_source, read_data
-from ..training.terminal import StepLog, console, fail
+from ..training.sources import check_seq_len, load_config, model_source, read_data
+from ..training.terminal import StepLog, check_writable, console, fail
 from ..units import format_bytes
 from .options import (
     CODEGEN_OPTION,
@@ -49,7 +50,8 @@ def train(ctx: typer.Context,
           data: Optional[str] = typer.Option(None, help=DATA_HELP),
           out: Optional[Path] = typer.Option(None, help="folder for the PEFT adapter, its tokenizer, run.toml, "
                                              "metrics.jsonl and the state --resume reads; refused when it holds "
-                                             "anything, unless --overwrite or --resume"),
+                                             "anything, unless --overwrite or --resume (the folder of a run "
+                                             "stopped before its first save holds no run and is reused)"),
           from_config: Optional[str] = typer.Option(None, "--from-config", help="random weights from a built-in shape "
                                                     "or a config.json instead of MODEL (smoke tests)"),
           config: Optional[Path] = typer.Option(None, "--config", help="a TOML file of these options (run.toml, "
@@ -61,7 +63,7 @@ def train(ctx: typer.Context,
           overwrite: bool = typer.Option(False, help="replace the run in a non-empty --out (its adapter, state, "
                                          "checkpoints and metrics)"),
           save_every: Optional[int] = typer.Option(None, min=1, help="also save adapter + resume state every N steps "
-                                                   "(always at the end, and on Ctrl-C)"),
+                                                   "(always at the end, and on Ctrl-C or SIGTERM)"),
           save_total_limit: Optional[int] = typer.Option(None, min=0, help="with --save-every, also keep the newest N "
                                                          "saves as OUT/checkpoint-STEP folders"),
           quantization: str = typer.Option("nf4", help="nf4 (QLoRA base) or bf16"),
@@ -131,7 +133,7 @@ def train(ctx: typer.Context,
     if config is not None:
         if resume is not None:
             raise fail("--resume continues a run with its own settings; leave --config out")
-        for name, value in read_run_config(config, _OPTION_NAMES).items():
+        for name, value in read_run_config(config, _OPTION_NAMES, typing.get_type_hints(TrainOptions)).items():
             if not typed(name):
                 values[name] = Path(value) if name == "out" else value
     saved: Optional[tuple[dict, dict]] = None
@@ -172,7 +174,9 @@ def eval_command(model: str = typer.Argument(..., help="model folder or cached h
                                               "completions) or all"),
                  adapter: Optional[Path] = typer.Option(None, help="a PEFT adapter folder (e.g. `poros-fx train --out`); "
                                                         "default: the base alone"),
-                 json_path: Optional[Path] = typer.Option(None, "--json", help="also write the result here as JSON"),
+                 json_path: Optional[Path] = typer.Option(None, "--json", help="also write the result here as JSON "
+                                                          "(an existing file only with --overwrite)"),
+                 overwrite: bool = typer.Option(False, help="replace an existing --json file"),
                  quantization: str = typer.Option("nf4", help="nf4 (QLoRA base) or bf16"),
                  seq_len: int = typer.Option(512, min=2, help="tokens per row"),
                  pack: bool = typer.Option(True, help="pack examples into rows (--no-pack: one example per row)"),
@@ -188,9 +192,14 @@ def eval_command(model: str = typer.Argument(..., help="model folder or cached h
 
     if quantization not in ("nf4", "bf16"):
         raise fail(f"--quantization must be nf4 or bf16, got {quantization!r}")
+    if json_path is not None:  # before anything loads: the result is written last
+        if json_path.is_file() and not overwrite:
+            raise fail(f"--json {json_path} exists; pass --overwrite to replace it, or give another file")
+        check_writable(json_path)
     try:
         checkpoint, folder = model_source(model)
         config = load_config(str(folder) if checkpoint else model)
+        check_seq_len(config, seq_len, model)
         dataset = read_data(data, config, folder, model, seq_len, pack, train_on=train_on, split=split)
         common = {"quantization": quantization, "device": device, "block_size": block_size, "prefetch": prefetch,
                   "codegen": codegen, "adapter": adapter, "trainable": False}
