@@ -18,9 +18,9 @@ from cli_helper import SCRIPT
 from train_helper import FAST, checkpoint, run_cli  # noqa: F401 (checkpoint is a fixture)
 
 import poros_fx
-from poros_fx.models.tiny import tiny_config
+from poros_fx.models.tiny import lora_targets, tiny_config
 from poros_fx.training.run_state import STATE_FILE, claim_out
-from poros_fx.training.sources import seq_len_limit, split_targets
+from poros_fx.training.sources import seq_len_limit, split_targets, target_modules
 from poros_fx.training.terminal import console
 
 
@@ -106,6 +106,7 @@ def test_target_modules_that_match_nothing_are_refused(config_dir, tmp_path, cap
     assert code == 2 and "nonexistent" in line and "v_proj" in line and "down_proj" in line and "model:" not in out
     assert split_targets("all-linear") == ["all-linear"] and split_targets(["q_proj,v_proj", "o_proj"]) == [
         "q_proj", "v_proj", "o_proj"]
+    assert target_modules("all-linear", "qwen2") == lora_targets("qwen2")
     tuner = poros_fx.FineTuner.from_pretrained(str(config_dir), quantization="bf16", device="cpu",
                                                target_modules="q_proj", lora_rank=2)
     assert tuner.session.targets == ["q_proj"]

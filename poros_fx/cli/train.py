@@ -69,8 +69,9 @@ def train(ctx: typer.Context,
           quantization: str = typer.Option("nf4", help="nf4 (QLoRA base) or bf16"),
           lora_r: int = typer.Option(16, min=1), lora_alpha: float = typer.Option(32.0, min=0.0),
           lora_dropout: float = typer.Option(0.05, min=0.0, max=1.0),
-          target_modules: Optional[list[str]] = typer.Option(None, help="LoRA targets, repeated or comma-separated "
-                                                             "(default: every linear of a decoder layer)"),
+          target_modules: Optional[list[str]] = typer.Option(None, help="LoRA targets, repeated or comma-separated; "
+                                                             "a name no module has is refused (default, or "
+                                                             "all-linear: every linear of a decoder layer)"),
           steps: Optional[int] = typer.Option(None, min=1, help="optimizer steps (default: --epochs 1)"),
           epochs: Optional[float] = typer.Option(None, callback=positive_epochs, help="passes over the data "
                                                  "(above 0; rounded up to whole steps)"),
