@@ -121,8 +121,10 @@ def test_eval_cli_random_weights_from_a_config(adapter, tmp_path, capsys):
 
 def test_eval_cli_errors(checkpoint, adapter, data_file, tmp_path, capsys):
     # refused before anything runs: in this process (a poros-fx subprocess costs ~8 s of imports each)
-    code, _, err = run_cli(capsys, "eval", str(checkpoint), "--adapter", str(tmp_path), "--data", str(data_file))
+    code, _, err = run_cli(capsys, "eval", str(checkpoint), "--adapter", str(tmp_path), "--data", str(data_file),
+                           "--seq-len", "16")
     assert code == 2 and "has no adapter_config.json" in err and "Traceback" not in err
     if not torch.cuda.is_available():
-        code, _, err = run_cli(capsys, "eval", str(checkpoint), "--data", str(data_file), "--device", "cuda")
+        code, _, err = run_cli(capsys, "eval", str(checkpoint), "--data", str(data_file), "--device", "cuda",
+                               "--seq-len", "16")
         assert code == 2 and "torch sees no CUDA device" in err and "Traceback" not in err

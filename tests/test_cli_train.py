@@ -133,15 +133,16 @@ def test_prompt_tokens_are_masked(model_dir, tmp_path):
 def test_bad_data_errors_through_the_cli(model_dir, tmp_path, capsys):
     # refused before anything trains: in this process (a poros-fx subprocess costs ~8 s of imports each)
     code, _, err = run_cli(capsys, "train", str(model_dir), "--data", str(tmp_path / "nope.jsonl"), "--out",
-                           str(tmp_path / "a"))
+                           str(tmp_path / "a"), "--seq-len", "24")
     assert code == 2 and "nope.jsonl: no such file" in err
     (tmp_path / "data.parquet").write_text("x")
     code, _, err = run_cli(capsys, "train", str(model_dir), "--data", str(tmp_path / "data.parquet"), "--out",
-                           str(tmp_path / "a"))
+                           str(tmp_path / "a"), "--seq-len", "24")
     assert code == 2 and "data.parquet: not a readable parquet file" in err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n\n{"question": "no known field"}\n', encoding="utf-8")
-    code, _, err = run_cli(capsys, "train", str(model_dir), "--data", str(bad), "--out", str(tmp_path / "a"))
+    code, _, err = run_cli(capsys, "train", str(model_dir), "--data", str(bad), "--out", str(tmp_path / "a"),
+                           "--seq-len", "24")
     assert code == 2 and f"{bad}:3: record has none of the fields" in err
     # text needs a tokenizer; a random built-in shape has none
     text = tmp_path / "text.jsonl"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import typing
 from pathlib import Path
 from typing import Any, Optional
 
@@ -23,8 +24,8 @@ from ..training.loop import train as train_run
 from ..training.options import OPTION_NAMES, TrainOptions, check_setting
 from ..training.run_config import read_run_config
 from ..training.run_state import claim_out, resume_settings
-from ..training.sources import load_config, model_source, read_data
-from ..training.terminal import StepLog, console, fail
+from ..training.sources import check_seq_len, load_config, model_source, read_data
+from ..training.terminal import StepLog, check_writable, console, fail
 from ..units import format_bytes
 from .flags import option_parameters, with_parameters
 from .options import (
@@ -56,11 +57,8 @@ def train(ctx: typer.Context, **values: Any) -> None:
     if config is not None:
         if resume is not None:
             raise fail("--resume continues a run with its own settings; leave --config out")
-        for name, value in read_run_config(config, OPTION_NAMES).items():
-            try:
-                check_setting(name, value, f"--config {config}")
-            except PorosError as e:
-                raise fail(str(e))
+        for name, value in read_run_config(config, OPTION_NAMES, typing.get_type_hints(TrainOptions)).items():
+            check_setting(name, value, f"--config {config}")  # the types above, then each option's own check
             if not typed(name):
                 values[name] = Path(value) if name == "out" else value
     saved: Optional[tuple[dict, dict]] = None
@@ -112,7 +110,9 @@ def eval_command(model: str = typer.Argument(..., help="model folder or cached h
                                               "completions) or all"),
                  adapter: Optional[Path] = typer.Option(None, help="a PEFT adapter folder (e.g. `poros-fx train --out`); "
                                                         "default: the base alone"),
-                 json_path: Optional[Path] = typer.Option(None, "--json", help="also write the result here as JSON"),
+                 json_path: Optional[Path] = typer.Option(None, "--json", help="also write the result here as JSON "
+                                                          "(an existing file only with --overwrite)"),
+                 overwrite: bool = typer.Option(False, help="replace an existing --json file"),
                  quantization: str = typer.Option("nf4", help="nf4 (QLoRA base) or bf16"),
                  seq_len: int = typer.Option(512, min=2, help="tokens per row"),
                  pack: bool = typer.Option(True, help="pack examples into rows (--no-pack: one example per row)"),
@@ -128,9 +128,14 @@ def eval_command(model: str = typer.Argument(..., help="model folder or cached h
 
     if quantization not in ("nf4", "bf16"):
         raise fail(f"--quantization must be nf4 or bf16, got {quantization!r}")
+    if json_path is not None:  # before anything loads: the result is written last
+        if json_path.is_file() and not overwrite:
+            raise fail(f"--json {json_path} exists; pass --overwrite to replace it, or give another file")
+        check_writable(json_path)
     try:
         checkpoint, folder = model_source(model)
         config = load_config(str(folder) if checkpoint else model)
+        check_seq_len(config, seq_len, model)
         dataset = read_data(data, config, folder, model, seq_len, pack, train_on=train_on, split=split)
         common = {"quantization": quantization, "device": device, "block_size": block_size, "prefetch": prefetch,
                   "codegen": codegen, "adapter": adapter, "trainable": False}

@@ -27,7 +27,7 @@ from torch import nn
 from ..errors import PorosConfigError, PorosError
 from .run_config import RUN_CONFIG_FILE, write_run_config
 from .run_state import claim_out
-from .sources import model_source, save_tokenizer
+from .sources import as_path, model_source, save_tokenizer
 from .loop import Session, TrainResult, load_model, train
 from .options import MODEL_OPTIONS, TrainOptions
 
@@ -93,7 +93,7 @@ class FineTuner:
 
     def save(self, folder: str | os.PathLike) -> Path:
         """Write the adapter (a standard PEFT adapter), the tokenizer and ``run.toml`` (the settings, as
-        ``poros-fx train --config`` reads them) into ``folder``. (``train(..., out=DIR)`` also writes the resume
+        ``poros-fx train --config`` reads them, its paths absolute) into ``folder``. (``train(..., out=DIR)`` also writes the resume
         state there, for ``poros-fx train --resume DIR``.)"""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -101,6 +101,8 @@ class FineTuner:
         save_tokenizer(self.tokenizer, folder)
         settings = {f.name: getattr(self.opts, f.name) for f in dataclasses.fields(TrainOptions)}
         settings["out"] = None
+        for name in ("model", "from_config", "data", "eval_data"):  # `--config` may be read from any folder
+            settings[name] = as_path(settings[name])
         write_run_config(folder / RUN_CONFIG_FILE, settings)
         return folder
 

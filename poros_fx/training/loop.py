@@ -1,5 +1,5 @@
 """The one training loop behind ``poros-fx train`` and ``poros_fx.FineTuner``: model, data, the optimizer
-loop with its controls, saves on the way and on Ctrl-C.
+loop with its controls, saves on the way and on Ctrl-C or SIGTERM.
 
 ``load_model(opts)`` builds the prepared PEFT model (and finds its tokenizer); ``train(opts, ...)`` reads
 the data and runs the loop on it. The command (``cli.train``) and the Python surface (``finetune.py``)
@@ -8,8 +8,9 @@ both call these two, so a run is the same bits whichever started it. Errors are 
 
 The loop is written so that a stopped run can continue bit-exactly: the data order depends on the seed
 alone (not on the step count), the learning rate of a step on its number alone (``schedules.py``), the
-RNG states are taken after each finished step, and Ctrl-C is held while an optimizer step and its
-bookkeeping run, so that what is saved (``run_state``) is always one whole step.
+RNG states are taken after each finished step, and Ctrl-C (or SIGTERM, what job schedulers send) is held
+while an optimizer step and its bookkeeping run, so that what is saved (``run_state``) is always one whole
+step.
 
 Per step: the micro-batches' forward and backward through ``torch.compile(model, backend="poros")``
 (block-major with ``accumulate`` > 1), gradient clipping (``max_grad_norm``), the learning rate of the
@@ -58,10 +59,11 @@ from .metrics import MetricsLog
 from .options import CONFIG_KEYS, OPTION_NAMES, TrainOptions
 from .run_config import RUN_CONFIG_FILE, write_run_config
 from .run_state import (STATE_FILE, Named, check_resumable, checkpoint_folder, fingerprint, keep_checkpoints,
-                        model_fingerprint, restore, rng_state, save_train_state)
+                        model_fingerprint, remove_stale_saves, restore, rng_state, save_train_state)
 from .schedules import lr_factors, set_lr
-from .sources import as_path, read_data, save_tokenizer, target_modules, tokenizer_of, train_source
-from .terminal import StepLog, console
+from .sources import (as_path, check_seq_len, check_targets, read_data, save_tokenizer, target_modules, tokenizer_of,
+                      train_source)
+from .terminal import StepLog, console, folder_problem, quoted
 
 
 @dataclasses.dataclass
@@ -93,6 +95,8 @@ def load_model(opts: TrainOptions, ranks: Optional[distributed.Ranks] = None) ->
     ranks = ranks or distributed.launched_ranks()
     config, folder = train_source(o.model, o.from_config)
     targets = target_modules(o.target_modules, config.model_type)
+    if targets != target_modules(None, config.model_type):
+        check_targets(targets, config)
     torch.manual_seed(o.seed)  # the LoRA A init and, in the loop, the dropout masks
     lora = peft.LoraConfig(r=o.lora_r, lora_alpha=o.lora_alpha, lora_dropout=o.lora_dropout, target_modules=targets)
     device = o.device
@@ -150,6 +154,10 @@ def train(opts: TrainOptions, session: Optional[Session] = None, resume: Optiona
         distributed.init_process_group()
         if ranks.rank != 0:
             console.quiet = True  # rank 0 speaks for the job
+    if opts.out is not None and ranks.rank == 0:
+        problem = folder_problem(opts.out)
+        if problem is not None:
+            raise PorosConfigError(f"cannot write into --out {opts.out}: {problem}; give another folder")
     run = None
     try:
         run = _set_up(opts, session, resume, saved, ranks)
@@ -175,6 +183,7 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
     the optimizer, and the saved step restored into both when resuming."""
     o = opts
     config, folder = (session.config, session.folder) if session is not None else train_source(o.model, o.from_config)
+    check_seq_len(config, o.seq_len, o.model or o.from_config)
     tokenizer = session.tokenizer if session is not None else tokenizer_of(folder)
     data_args = {"config": config, "folder": folder, "shape": o.from_config, "seq_len": o.seq_len, "pack": o.pack,
                  "train_on": o.train_on, "tokenizer": tokenizer}
@@ -229,6 +238,11 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
               "model_sha256": _model_sha256(folder) if o.model is not None else None}
     metrics = MetricsLog(o.out, enabled=o.metrics and ranks.rank == 0) if o.out is not None else MetricsLog(Path("."),
                                                                                                           enabled=False)
+    if saved is not None and ranks.rank == 0:
+        # a run killed after its last save logged steps the resumed run takes again
+        metrics.cut_after(done)
+        for stopped in {resume, o.out} - {None}:
+            remove_stale_saves(stopped)
     return _Run(opts=o, session=session, step_model=step_model, named=named, optimizer=optimizer, dataset=dataset,
                 eval_dataset=eval_dataset, data_sha256=data_sha256, steps=steps, done=done, losses=losses,
                 eval_losses=eval_losses, record=record, metrics=metrics)
@@ -267,13 +281,13 @@ def _check_budget(o: TrainOptions, session: Session) -> None:
 
 
 class Interrupted(PorosError):
-    """Ctrl-C during ``train``: the last finished step was saved (when the run has an ``out``); the message says
-    where and how to resume (the command exits with 130)."""
+    """Ctrl-C or SIGTERM during ``train``: the last finished step was saved (when the run has an ``out``); the
+    message says where and how to resume (the command exits with 130)."""
 
 
 def _loop(run: _Run, resume: Optional[Path]) -> tuple[float, dict[str, torch.Tensor]]:
     """Steps ``run.done + 1 .. run.steps``, saving every ``save_every``; returns the last step's loss and the RNG
-    states after it. On Ctrl-C the last finished step is saved and ``Interrupted`` raised."""
+    states after it. On Ctrl-C or SIGTERM the last finished step is saved and ``Interrupted`` raised."""
     o, dev, world = run.opts, run.session.device, run.session.ranks.world_size
     ranks, model = run.session.ranks, run.session.model
     # one data order for the job; rank r takes micro-batches r, r + N, r + 2N, ...
@@ -288,7 +302,8 @@ def _loop(run: _Run, resume: Optional[Path]) -> tuple[float, dict[str, torch.Ten
     rng = rng_state(dev)  # the generators as they stand after the last finished step
     loss_value = run.losses[-1] if run.losses else float("nan")
     try:
-        with (distributed.no_ddp_optimizer() if ranks.distributed else contextlib.nullcontext(),
+        with (terminate_as_interrupt(),
+              distributed.no_ddp_optimizer() if ranks.distributed else contextlib.nullcontext(),
               StepLog(run.steps, o.log_every, start=run.done) as log):
             for step in range(run.done + 1, run.steps + 1):
                 start = time.perf_counter()
@@ -336,12 +351,13 @@ def _loop(run: _Run, resume: Optional[Path]) -> tuple[float, dict[str, torch.Ten
             raise Interrupted(f"interrupted after step {done}/{run.steps} (nothing saved: no output folder)") from None
         if done == 0 or (done == run.done and resume is not None and out.resolve() == resume.resolve()):
             raise Interrupted("interrupted before a step finished; nothing new to save" + (
-                f" (the run in {out}/ is still at step {done}: `poros-fx train --resume {out}`)" if done else "")
-                ) from None
+                f" (the run in {out}/ is still at step {done}: `{quoted('poros-fx train --resume {}', out)}`)"
+                if done else "")) from None
         if ranks.rank == 0:
-            run.save(out, done, rng)
+            with contextlib.suppress(KeyboardInterrupt), interrupt_after():  # a second signal waits for the save
+                run.save(out, done, rng)
         raise Interrupted(f"interrupted: step {done}/{run.steps} saved to {out}/ (adapter + resume state). Continue with "
-                          f"`poros-fx train --resume {out}`") from None
+                          f"`{quoted('poros-fx train --resume {}', out)}`") from None
     return loss_value, rng
 
 
@@ -379,13 +395,15 @@ def _summary(run: _Run, loss: float) -> None:
     elif o.from_config is not None:
         text = (f"final loss {loss:.4f} after {steps} steps; {where}. It was trained on random weights "
                 f"(--from-config {o.from_config}, seed {o.seed}) and fits only that random base: there is no checkpoint "
-                f"for `poros-fx export` to merge it into. Evaluate it with `poros-fx eval {o.from_config} --adapter "
-                f"{out} --data DATA --seed {o.seed}`, continue it with `poros-fx train --resume {out} --steps N`, or "
-                f"load it with poros_fx.from_config(config, seed={o.seed}, adapter={str(out)!r})")
+                f"for `poros-fx export` to merge it into. Evaluate it with "
+                f"`{quoted('poros-fx eval {} --adapter {} --data DATA --seed {}', o.from_config, out, o.seed)}`, continue "
+                f"it with `{quoted('poros-fx train --resume {} --steps N', out)}`, or load it with "
+                f"poros_fx.from_config(config, seed={o.seed}, adapter={str(out)!r})")
     else:
-        text = (f"final loss {loss:.4f} after {steps} steps; {where} (peft.PeftModel.from_pretrained, `poros-fx eval "
-                f"{o.model} --adapter {out} --data DATA`, `poros-fx export {out} --base {o.model} -o MERGED`, or "
-                f"`poros-fx train --resume {out} --steps N` to train further)")
+        text = (f"final loss {loss:.4f} after {steps} steps; {where} (peft.PeftModel.from_pretrained, "
+                f"`{quoted('poros-fx eval {} --adapter {} --data DATA', o.model, out)}`, "
+                f"`{quoted('poros-fx export {} --base {} -o MERGED', out, o.model)}`, or "
+                f"`{quoted('poros-fx train --resume {} --steps N', out)}` to train further)")
     console.print(text, soft_wrap=True, highlight=False)
     # the peak is of the blocks' device copies, each layer one span of the host arena (alignment gaps
     # included): compared with what every block at once would copy, not with the tensors' own bytes
@@ -397,18 +415,40 @@ def _summary(run: _Run, loss: float) -> None:
 
 
 @contextlib.contextmanager
-def interrupt_after() -> Iterator[None]:
-    """Ctrl-C inside the block is held until its end (the optimizer step and its bookkeeping are never cut
-    in half); outside the main thread, where no handler can be set, the block runs as is."""
-    caught: list[int] = []
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (what job schedulers send to stop a job) inside the block raises ``KeyboardInterrupt``, as Ctrl-C
+    does, so the loop saves the last finished step; the previous handler is back after the block. Outside the
+    main thread, where no handler can be set, the block runs as is."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
     try:
-        previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+        previous = signal.signal(signal.SIGTERM, interrupt)
     except ValueError:  # not the main thread
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def interrupt_after() -> Iterator[None]:
+    """Ctrl-C or SIGTERM inside the block is held until its end (the optimizer step and its bookkeeping are
+    never cut in half) and raised then as ``KeyboardInterrupt``; outside the main thread, where no handler can
+    be set, the block runs as is."""
+    caught: list[int] = []
+    try:
+        previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if caught:
         raise KeyboardInterrupt

@@ -2,7 +2,8 @@
 
 A line per optimizer step (``step``, ``loss``, ``learning_rate``, ``grad_norm`` when clipping,
 ``tokens``, ``tokens_per_second``, ``seconds``) and one per evaluation (``step``, ``eval_loss``,
-``eval_perplexity``). A resumed run appends to the file. With the ``tensorboard`` package installed the
+``eval_perplexity``). A resumed run first cuts the file back to its saved step (a run killed after a
+save logged steps it takes again), then appends to it. With the ``tensorboard`` package installed the
 same scalars also go to ``OUT/tensorboard/`` (``tensorboard --logdir OUT/tensorboard``).
 """
 
@@ -41,6 +42,25 @@ class MetricsLog:
                 if key != "step" and isinstance(value, (int, float)):
                     self.writer.add_scalar(("eval/" if key.startswith("eval_") else "train/") + key, value, record["step"])
 
+    def cut_after(self, step: int) -> None:
+        """Drop the records of the steps after ``step`` (what a stopped run logged past its last save)."""
+        if self.path is None or not self.path.is_file():
+            return
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [line for line in lines if _step_of(line) is None or _step_of(line) <= step]
+        if len(kept) != len(lines):
+            self.path.write_text("".join(kept), encoding="utf-8")
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _step_of(line: str) -> Optional[int]:
+    """The ``step`` of one metrics line, or None for a line that is not a record (a line cut off by a kill)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None

@@ -92,13 +92,15 @@ _RUN_FIELDS: list[tuple[str, Any, Any]] = [
         "messages, prompt + completion (or response), text, or input_ids", _text, resume=MOVED)),
     ("out", Optional[Path], _run_option(
         None, "folder for the PEFT adapter, its tokenizer, run.toml, metrics.jsonl and the state --resume reads; "
-        "refused when it holds a run, unless --overwrite or --resume", _text, resume=SAME_BITS, config=False)),
+        "refused when it holds a run, unless --overwrite or --resume (the folder of a run stopped before its first "
+        "save holds no run and is reused)", _text, resume=SAME_BITS, config=False)),
     ("quantization", str, _run_option("nf4", "nf4 (QLoRA base) or bf16", _one_of("nf4", "bf16"), model=True)),
     ("lora_r", int, _run_option(16, "LoRA rank", _integer(1), model=True)),
     ("lora_alpha", float, _run_option(32.0, "LoRA alpha (the scale is alpha / r)", _at_least(0), model=True)),
     ("lora_dropout", float, _run_option(0.05, "dropout on the LoRA branch's input", _probability, model=True)),
     ("target_modules", Optional[list[str]], _run_option(
-        None, "LoRA targets, repeated or comma-separated (default: every linear of a decoder layer)", _names,
+        None, "LoRA targets, repeated or comma-separated; a name no module has is refused (default, or all-linear: "
+        "every linear of a decoder layer)", _names,
         model=True)),
     ("steps", Optional[int], _run_option(None, "optimizer steps (default: --epochs 1)", _integer(1),
                                          resume=SAME_BITS)),
@@ -128,7 +130,7 @@ _RUN_FIELDS: list[tuple[str, Any, Any]] = [
     ("eval_every", Optional[int], _run_option(None, "steps between evaluations (default: at the end)", _integer(1),
                                               resume=SAME_BITS)),
     ("save_every", Optional[int], _run_option(
-        None, "also save adapter + resume state every N steps (always at the end, and on Ctrl-C)", _integer(1),
+        None, "also save adapter + resume state every N steps (always at the end, and on Ctrl-C or SIGTERM)", _integer(1),
         resume=SAME_BITS)),
     ("save_total_limit", Optional[int], _run_option(
         None, "with --save-every, also keep the newest N saves as OUT/checkpoint-STEP folders", _integer(0),

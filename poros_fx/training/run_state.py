@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,6 +39,9 @@ RUN_FILES = ("adapter_model.safetensors", STATE_FILE, "metrics.jsonl", "run.toml
              "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "vocab.json",
              "merges.txt", "added_tokens.json", "tokenizer.model")
 CHECKPOINT_PREFIX = "checkpoint-"
+SAVE_PREFIX = ".poros-save-"  # the temporary folder a save writes into, renamed into place (save_train_state)
+# what a run leaves before its first save (steps logged, a save cut short): no run to resume or protect
+UNSAVED_RUN = ("metrics.jsonl", "tensorboard")
 
 Named = list[tuple[str, nn.Parameter]]  # the trainable parameters with their names, in the model's order
 
@@ -77,17 +81,31 @@ def keep_checkpoints(out: Path, limit: int) -> None:
         shutil.rmtree(path)
 
 
+def remove_stale_saves(out: Path) -> None:
+    """Remove the temporary folders of saves that a kill cut short (``SAVE_PREFIX``) from ``out``."""
+    for path in out.glob(f"{SAVE_PREFIX}*"):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def stopped_before_first_save(out: Path) -> bool:
+    """Whether ``out`` holds only what a run stopped before its first save leaves (its metrics, a save's
+    temporary folder): no saved step, so no run."""
+    entries = list(out.iterdir()) if out.is_dir() else []
+    return bool(entries) and all(p.name in UNSAVED_RUN or p.name.startswith(SAVE_PREFIX) for p in entries)
+
+
 def claim_out(out: Path, overwrite: bool) -> None:
     """Make ``out`` the new run's folder: refused when it holds anything, unless ``overwrite`` (then the files a run
-    writes are removed, nothing else)."""
+    writes are removed, nothing else) or it holds only what a run stopped before its first save left (removed)."""
     if out.exists() and not out.is_dir():
         raise PorosConfigError(f"--out {out} exists and is not a folder")
     if not out.is_dir() or not any(out.iterdir()):
         return
-    if not overwrite:
+    if not overwrite and not stopped_before_first_save(out):
         what = "a poros-fx run (adapter and resume state)" if (out / STATE_FILE).is_file() else "files"
-        raise PorosConfigError(f"--out {out} exists and holds {what}; pass --overwrite to replace it, --resume {out} "
-                               f"to continue that run, or pick a new folder")
+        raise PorosConfigError(f"--out {out} exists and holds {what}; pass --overwrite to replace it, "
+                               f"--resume {shlex.quote(str(out))} to continue that run, or pick a new folder")
     if (out / "adapter_config.json").is_file():  # peft's README.md (model card) goes with its adapter
         for name in ("adapter_config.json", "README.md"):
             (out / name).unlink(missing_ok=True)
@@ -96,6 +114,7 @@ def claim_out(out: Path, overwrite: bool) -> None:
     for folder in [*out.glob(f"{CHECKPOINT_PREFIX}*"), out / "tensorboard"]:
         if folder.is_dir():
             shutil.rmtree(folder)
+    remove_stale_saves(out)
 
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -125,7 +144,7 @@ def save_train_state(out: Path, model: nn.Module, named: Named, optimizer: torch
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".poros-save-", dir=out))
+    tmp = Path(tempfile.mkdtemp(prefix=SAVE_PREFIX, dir=out))
     try:
         model.save_pretrained(tmp)
         tensors = {f"adapter/{name}": p.detach().to("cpu").contiguous().clone() for name, p in named}
@@ -154,6 +173,10 @@ def load_train_state(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     path = folder / STATE_FILE
     if not folder.is_dir():
         raise PorosConfigError(f"--resume {folder}: no such folder (give the --out folder of the run to continue)")
+    if not path.is_file() and stopped_before_first_save(folder):
+        raise PorosConfigError(f"{folder} holds a run stopped before its first save: no step was saved, so there is "
+                               f"nothing to resume; start the run again with the same command (--out "
+                               f"{shlex.quote(str(folder))} may be given again)")
     if not path.is_file():
         raise PorosConfigError(f"{folder} has no {STATE_FILE}, so it cannot be resumed: it was not written by `poros-fx train` "
                    f"(or by a version before --resume); start a new run with --out")

@@ -38,17 +38,71 @@ def load_config(model_or_config: str) -> "transformers.PretrainedConfig":
         return qwen25_config(model_or_config.lower().split("-", 1)[1])
     path = Path(model_or_config)
     if path.is_file():
-        return transformers.AutoConfig.from_pretrained(path.parent if path.name == "config.json" else path)
+        return _read_config(path.parent if path.name == "config.json" else path, path)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise PorosConfigError(f"{path} has no config.json")
-        return transformers.AutoConfig.from_pretrained(path)
+        return _read_config(path, path / "config.json")
     try:
         return transformers.AutoConfig.from_pretrained(model_or_config, local_files_only=True)
     except OSError:
         raise PorosConfigError(
             f"{model_or_config!r} is not a built-in shape ({', '.join(BUILTIN)}), a config.json, a folder, or a "
             "model in the local huggingface cache; poros-fx downloads nothing here") from None
+
+
+def _read_config(source: Path, file: Path) -> "transformers.PretrainedConfig":
+    """``AutoConfig.from_pretrained(source)``, its failures (bad JSON, no ``model_type``, a value transformers
+    refuses) as one line naming ``file``."""
+    import transformers
+
+    try:
+        return transformers.AutoConfig.from_pretrained(source)
+    except Exception as e:  # bad JSON, no model_type, a value of the wrong type (huggingface_hub's validation)
+        reason = " ".join(str(e).split())
+        if isinstance(e, KeyError) or "model_type" in reason or "Unrecognized model" in reason:
+            reason = f"no known model_type ({reason})"
+        raise PorosConfigError(f"{file}: not a readable model config: {reason}; fix the file (it is JSON with a "
+                               f"model_type key, as save_pretrained writes it)") from None
+
+
+def seq_len_limit(config: "transformers.PretrainedConfig") -> Optional[int]:
+    """The longest sequence ``config``'s positions cover: ``max_position_embeddings``, extended by a RoPE
+    scaling factor (of ``original_max_position_embeddings`` where the config names it); None when the config
+    states no limit."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int):
+        return None
+    scaled = limit
+    for rope in _rope_settings(text):
+        factor = rope.get("factor")
+        if isinstance(factor, (int, float)) and factor > 1:
+            original = rope.get("original_max_position_embeddings") or limit
+            scaled = max(scaled, int(original * factor))
+    return scaled
+
+
+def _rope_settings(config: "transformers.PretrainedConfig") -> list[dict]:
+    """The config's RoPE settings: ``rope_scaling`` / ``rope_parameters``, one dict or one per layer type."""
+    found = []
+    for name in ("rope_scaling", "rope_parameters"):
+        value = getattr(config, name, None)
+        if isinstance(value, dict):
+            nested = [v for v in value.values() if isinstance(v, dict)]
+            found.extend(nested or [value])
+    return found
+
+
+def check_seq_len(config: "transformers.PretrainedConfig", seq_len: int, model: str) -> None:
+    """Refuse a ``--seq-len`` beyond the positions ``model``'s config covers (``seq_len_limit``)."""
+    limit = seq_len_limit(config)
+    if limit is not None and seq_len > limit:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        how = ("max_position_embeddings" if limit == text.max_position_embeddings else
+               f"max_position_embeddings {text.max_position_embeddings} with its RoPE scaling factor")
+        raise PorosConfigError(f"--seq-len {seq_len} is beyond what {model} covers: {limit} positions ({how}); give "
+                               f"--seq-len {limit} or less")
 
 
 def set_layers(config: "transformers.PretrainedConfig", layers: int) -> None:
@@ -126,13 +180,41 @@ def save_tokenizer(tokenizer: "Optional[transformers.PreTrainedTokenizerBase]", 
         tokenizer.save_pretrained(folder)
 
 
-def split_targets(values: Optional[list[str]]) -> list[str]:
-    """``--target-modules`` as given: repeated options and comma-separated lists both work."""
+def split_targets(values: "Optional[list[str] | str]") -> list[str]:
+    """``--target-modules`` as given: repeated options and comma-separated lists both work; one string is
+    one comma-separated list."""
+    if isinstance(values, str):
+        values = [values]
     return [name.strip() for value in values or () for name in value.split(",") if name.strip()]
 
 
-def target_modules(values: Optional[list[str]], model_type: str) -> list[str]:
-    """The LoRA targets of ``--target-modules``, or every linear of a decoder layer when none are given."""
-    if not values:
+ALL_LINEAR = "all-linear"  # peft's name for every linear but the output head: a decoder layer's linears here
+
+
+def target_modules(values: "Optional[list[str] | str]", model_type: str) -> list[str]:
+    """The LoRA targets of ``--target-modules``, or every linear of a decoder layer when none are given (or
+    ``all-linear``)."""
+    names = split_targets(values)
+    if not names or names == [ALL_LINEAR]:
         return lora_targets(model_type)
-    return split_targets(values)
+    return names
+
+
+def check_targets(targets: list[str], config: "transformers.PretrainedConfig") -> None:
+    """Refuse LoRA targets that match no module of ``config``'s model (peft matches a name or a dotted suffix
+    of one), listing the linear layers' names; the model is built on ``meta``, no weight is read."""
+    import torch
+    import transformers
+
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except Exception:  # a model transformers cannot build: the loader says why, with its own checks
+        return
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear)})
+        raise PorosConfigError(f"--target-modules {', '.join(missing)}: no module of this {config.model_type} model "
+                               f"has that name; its linear layers are {', '.join(linear)} (or give {ALL_LINEAR})")

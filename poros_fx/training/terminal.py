@@ -8,16 +8,30 @@ Only typer and rich are imported here: ``poros-fx --help`` stays quick.
 from __future__ import annotations
 
 import datetime
+import shlex
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-console = Console()
+class _Console(Console):
+    """rich's console, whose lines are wrapped at the terminal's width on a terminal and never elsewhere (a log
+    or a pipe keeps every line whole, not cut at 80 columns)."""
+
+    def print(self, *objects: Any, soft_wrap: Optional[bool] = None, **kwargs: Any) -> None:
+        super().print(*objects, soft_wrap=not self.is_terminal if soft_wrap is None else soft_wrap, **kwargs)
+
+
+console = _Console()
+
+
+def quoted(command: str, *paths: object) -> str:
+    """``command`` with ``{}`` filled by ``paths`` quoted for a POSIX shell: a command the user can paste."""
+    return command.format(*(shlex.quote(str(p)) for p in paths))
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -39,6 +53,25 @@ def check_writable(path: Path) -> None:
             pass
     except OSError as e:
         raise fail(f"cannot write {path}: {e.strerror or e}; give another path") from None
+
+
+def folder_problem(folder: Path) -> Optional[str]:
+    """Why files cannot be written into ``folder`` (made if missing), or None when they can; the folders made
+    for the check are removed again, so a refused command leaves nothing behind."""
+    made: list[Path] = []
+    try:
+        missing = [p for p in (folder, *folder.parents) if not p.exists()]
+        for path in reversed(missing):
+            path.mkdir()
+            made.append(path)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".poros-write-check-"):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    finally:
+        for path in reversed(made):
+            path.rmdir()
+    return None
 
 
 class StepLog:
