@@ -161,7 +161,7 @@ class PorosOptions:
                                  _check_bool)
     codegen: str | None = _option(
         None, "how decoder-layer regions run: 'inductor' (fused kernels) or 'eager' (aten calls, equal to the "
-        "eager loop); default: inductor on CUDA, eager on the CPU", _check_codegen, prepare=None, same_bits=False)
+        "eager loop); default: inductor on CUDA, eager on the CPU (docs/exactness.md)", _check_codegen, prepare=None, same_bits=False)
     turnaround: bool = _option(True, "a training forward's last blocks stay for the backward, a backward's for "
                                "the next forward (False: evict and reload)", _check_bool)
     memory_budget: int | str | None = _option(
