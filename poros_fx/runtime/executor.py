@@ -40,7 +40,8 @@ from . import budget, draws
 from .depth import summarize_timing
 from .load_slots import LoadSlots
 from .lockstep import Lockstep
-from .store import HostStore, cache_key
+from .residency import cache_key
+from .store import HostStore
 
 RUN_GAP = 256 * 2**10  # host bytes a copy may span that no load reads, rather than start another copy
 
@@ -153,20 +154,20 @@ class GraphRuntime:
         by the group's ``GroupPlan``; or the copies the other phase left on the device (turn-around: a
         backward takes its forward's last blocks, a forward the last blocks of the backward before it)."""
         store = self.store
-        kept = self.stream and bool(store.kept_hosts) and all(id(h) in store.kept_hosts for h in hosts)
+        kept = self.stream and bool(store.budget.kept_hosts) and all(id(h) in store.budget.kept_hosts for h in hosts)
         if kept:  # a block the memory budget keeps resident (runtime/budget.py): copied once, then reused
-            cached = [store.resident_cache.get(cache_key(h)) for h in hosts]
+            cached = [store.residency.resident_cache.get(cache_key(h)) for h in hosts]
             if all(t is not None for t in cached):
                 return cached
         key = tuple(h.data_ptr() for h in hosts)
-        stash = store.copies_for_backward if self.phase == "backward" else store.copies_for_forward
+        stash = store.residency.copies_for_backward if self.phase == "backward" else store.residency.copies_for_forward
         out = stash.pop(key, None) if stash and not kept else None
         if out is None:
             out = self._copy_group(hosts, device, block, key, self._slots_for(block, kept))
         if kept:
             for h, t in zip(hosts, out):
-                store.resident_cache[cache_key(h)] = t
-                store.kept_ids[id(t)] = False
+                store.residency.resident_cache[cache_key(h)] = t
+                store.residency.kept_ids[id(t)] = False
         elif block in self.reused_by_backward or (self.phase == "backward" and block in self._left_for_forward()):
             self._leave_turnaround(key, block, out)
         return out
@@ -175,13 +176,13 @@ class GraphRuntime:
         """Keep ``out`` (block ``block``'s copies) for the other phase when it starts with this block."""
         store = self.store
         if self.phase == "forward" and block in self.reused_by_backward:
-            self._release(store.copies_for_backward.pop(key, ()))  # an earlier forward's, never taken
-            store.copies_for_backward[key] = out
-            store.stashed_ids.update(id(t) for t in out)
-        elif self.phase == "backward" and block in self._left_for_forward() and not store.budget_measuring:
-            store.drop_copies_for_forward(key)  # an earlier backward's, never taken
-            store.copies_for_forward[key] = out
-            store.forward_stashed_ids.update(id(t) for t in out)
+            self._release(store.residency.copies_for_backward.pop(key, ()))  # an earlier forward's, never taken
+            store.residency.copies_for_backward[key] = out
+            store.residency.stashed_ids.update(id(t) for t in out)
+        elif self.phase == "backward" and block in self._left_for_forward() and not store.budget.measuring:
+            store.residency.drop_copies_for_forward(key)  # an earlier backward's, never taken
+            store.residency.copies_for_forward[key] = out
+            store.residency.forward_stashed_ids.update(id(t) for t in out)
 
     def _left_for_forward(self) -> frozenset[int]:
         """The blocks this backward leaves for the next forward: the first ``len(reused_by_forward)`` layer
@@ -189,13 +190,13 @@ class GraphRuntime:
         place: the forward's first window then holds as many blocks as without a plan, and starts with one
         copy fewer. Made again when the plan changes (``kept_hosts`` is then a new set)."""
         store = self.store
-        if self._left is not None and self._left[0] is store.kept_hosts:
+        if self._left is not None and self._left[0] is store.budget.kept_hosts:
             return self._left[1]
         count = len(self.reused_by_forward)
-        kept = set(store.plan.resident_blocks) if store.kept_hosts and store.plan is not None else set()
-        streamed = [b for b in range(1, len(store.block_names) - 1) if store.block_names[b] not in kept]
+        kept = set(store.budget.plan.resident_blocks) if store.budget.kept_hosts and store.budget.plan is not None else set()
+        streamed = [b for b in range(1, len(store.host.block_names) - 1) if store.host.block_names[b] not in kept]
         left = frozenset(streamed[:count])
-        self._left = (store.kept_hosts, left)
+        self._left = (store.budget.kept_hosts, left)
         return left
 
     def _slots_for(self, block: int, kept: bool) -> LoadSlots | None:
@@ -203,8 +204,8 @@ class GraphRuntime:
         layer block of a graph whose region calls CUDA graphs replay, so they read it where it lies."""
         if not self.cuda_graphs or kept or not self.stream:
             return None
-        graphs = self.store.region_graphs
-        if graphs is None or not self.store.block_names[block].startswith("layers"):
+        graphs = self.store.residency.region_graphs
+        if graphs is None or not self.store.host.block_names[block].startswith("layers"):
             return None  # the head and the embedding are not read by region calls
         return graphs.load_slots
 
@@ -212,9 +213,9 @@ class GraphRuntime:
                     key: tuple[int, ...], slots: LoadSlots | None = None) -> list[torch.Tensor]:
         plan = self._plans.get(key)  # key: the hosts' addresses
         if plan is None:
-            moved = [self.store.name_of(h) for h in hosts if h.device.type != "cpu"]
+            moved = [self.store.host.name_of(h) for h in hosts if h.device.type != "cpu"]
             if moved:
-                raise PorosConfigError(self.store.moved_message(moved))
+                raise PorosConfigError(self.store.host.moved_message(moved))
             plan = self._plans[key] = plan_group(hosts)
         size = plan.size + ALIGN
         buffer = slots.take(size, lambda n: self._allocate((n,), (1,), torch.uint8, device, block)) if slots else None
@@ -242,7 +243,7 @@ class GraphRuntime:
         else:
             for dst, src in copies:
                 dst.copy_(src)
-        self.store.ledger.on_copy(len(copies), plan.copied_bytes)
+        self.store.residency.ledger.on_copy(len(copies), plan.copied_bytes)
         return out
 
     def load(self, host: torch.Tensor, device: torch.device, block: int, last_in_group: bool = True,
@@ -251,30 +252,30 @@ class GraphRuntime:
         without a group, a copy of its own (``stream=False``: made once and kept resident)."""
         if group is not None:
             out = group[index]
-            if self.phase == "backward" and id(out) in self.store.stashed_ids:
-                self.store.stashed_ids.discard(id(out))  # booked by the forward; the backward evicts it
+            if self.phase == "backward" and id(out) in self.store.residency.stashed_ids:
+                self.store.residency.stashed_ids.discard(id(out))  # booked by the forward; the backward evicts it
                 self._blocks_loaded.add(block)
                 return out
-            if self.phase == "forward" and id(out) in self.store.forward_stashed_ids:
-                self.store.forward_stashed_ids.discard(id(out))  # booked by the backward; the forward evicts it
+            if self.phase == "forward" and id(out) in self.store.residency.forward_stashed_ids:
+                self.store.residency.forward_stashed_ids.discard(id(out))  # booked by the backward; the forward evicts it
                 self._blocks_loaded.add(block)
                 return out
-            booked = self.store.kept_ids.get(id(out))
+            booked = self.store.residency.kept_ids.get(id(out))
             if booked is None or not booked:  # a kept tensor is on the device once, and booked once
-                self.store.ledger.on_load(nbytes(out))
+                self.store.residency.ledger.on_load(nbytes(out))
                 if booked is False:
-                    self.store.kept_ids[id(out)] = True
+                    self.store.residency.kept_ids[id(out)] = True
             self._blocks_loaded.add(block)
             return out
         if not self.stream:
             key = cache_key(host)
-            cached = self.store.resident_cache.get(key)
+            cached = self.store.residency.resident_cache.get(key)
             if cached is None:
                 cached = self._allocate(host.shape, host.stride(), host.dtype, device, block)
                 cached.copy_(host.detach())
-                self.store.resident_cache[key] = cached
-                self.store.ledger.on_load(nbytes(cached))
-                self.store.ledger.on_copy(1, nbytes(cached))
+                self.store.residency.resident_cache[key] = cached
+                self.store.residency.ledger.on_load(nbytes(cached))
+                self.store.residency.ledger.on_copy(1, nbytes(cached))
             return cached
         out = self._allocate(host.shape, host.stride(), host.dtype, device, block)
         if self.overlap:
@@ -290,8 +291,8 @@ class GraphRuntime:
                 self._group = []
         else:
             out.copy_(host.detach())
-        self.store.ledger.on_load(nbytes(out))
-        self.store.ledger.on_copy(1, nbytes(out))
+        self.store.residency.ledger.on_load(nbytes(out))
+        self.store.residency.ledger.on_copy(1, nbytes(out))
         self._blocks_loaded.add(block)
         return out
 
@@ -321,8 +322,8 @@ class GraphRuntime:
             saved.record_stream(copy_stream)
         else:
             host = saved.clone()
-        store.ledger.offloads += 1
-        store.ledger.offloaded_bytes += nbytes(saved)
+        store.residency.ledger.offloads += 1
+        store.residency.ledger.offloaded_bytes += nbytes(saved)
         store.offloaded.append(weakref.ref(host))  # the step's host copies (tests tamper with them)
         return host
 
@@ -360,12 +361,12 @@ class GraphRuntime:
         self._copy_times, self._wait_times = [], []
 
     def evict(self, loaded: torch.Tensor) -> None:
-        if self.phase == "forward" and id(loaded) in self.store.stashed_ids:
+        if self.phase == "forward" and id(loaded) in self.store.residency.stashed_ids:
             return  # a turn-around copy: the backward takes it over (and evicts it)
-        if self.phase == "backward" and id(loaded) in self.store.forward_stashed_ids:
+        if self.phase == "backward" and id(loaded) in self.store.residency.forward_stashed_ids:
             return  # one the next forward takes over
-        if id(loaded) not in self.store.kept_ids:  # kept resident by the memory budget: stays
-            self.store.ledger.on_evict(nbytes(loaded))
+        if id(loaded) not in self.store.residency.kept_ids:  # kept resident by the memory budget: stays
+            self.store.residency.ledger.on_evict(nbytes(loaded))
 
     def _allocate(self, shape: Any, stride: Any, dtype: torch.dtype, device: torch.device, block: int) -> torch.Tensor:
         try:
@@ -392,14 +393,14 @@ class GraphRuntime:
         def dispatch(args: list[Any]) -> Any:
             if self.store is None:
                 return self._run(lambda: compiled(args))
-            step = self.store.accumulation
+            step = self.store.residency.accumulation
             if step is not None and self.block_major:
-                if self.cuda_graphs and self.store.region_graphs is not None and self.schedule.graphs_asked:
-                    self.store.region_graphs.warn_once(
+                if self.cuda_graphs and self.store.residency.region_graphs is not None and self.schedule.graphs_asked:
+                    self.store.residency.region_graphs.warn_once(
                         "block_major", "block-major accumulation steps run their region calls without CUDA graphs "
                         "(several micro-batches' calls interleave); options={'block_major': False} replays them")
                 return step.call(self, compiled, args)
-            graphs = self.store.region_graphs if self.cuda_graphs else None
+            graphs = self.store.residency.region_graphs if self.cuda_graphs else None
             if graphs is None:
                 return self.execute(lambda: compiled(args), size=self.input_elements(args))
             size = self.input_elements(args)
@@ -415,18 +416,18 @@ class GraphRuntime:
         at a time, the memory budget's measurements and plan (training steps only), the turn-around
         copies no backward took."""
         store = self.store
-        steps = store.steps
+        steps = store.residency.steps
         steps.begin()  # one graph of a model at a time (runtime/store.py)
         if self.stream and self.phase == "forward" and self.training:
             if budget.measures_next(store, size * runs):  # a measuring step starts with nothing of the last one
-                store.drop_copies_for_forward()
+                store.residency.drop_copies_for_forward()
             budget.start_measuring(store, size * runs)
         try:
             out = self._run(graph_run, runs)
         finally:
             steps.end()
         if self.stream and self.phase == "forward":
-            store.drop_copies_for_forward()  # what this forward did not take (a block the budget keeps now)
+            store.residency.drop_copies_for_forward()  # what this forward did not take (a block the budget keeps now)
         if self.stream and self.phase == "backward":
             self._drop_copies_for_backward()
             budget.measure_and_plan(store)  # after the first step: which blocks stay resident
@@ -444,16 +445,16 @@ class GraphRuntime:
         """``t`` is a base tensor kept on the device at one address (a block the budget keeps, a streamed block
         in a load slot, or a ``stream=False`` copy), which a CUDA graph may read in place."""
         store = self.store
-        if id(t) in store.kept_ids or (store.region_graphs is not None and store.region_graphs.load_slots.holds(t)):
+        if id(t) in store.residency.kept_ids or (store.residency.region_graphs is not None and store.residency.region_graphs.load_slots.holds(t)):
             return True
-        return not self.stream and any(v is t for v in store.resident_cache.values())
+        return not self.stream and any(v is t for v in store.residency.resident_cache.values())
 
     def input_elements(self, args: list[Any]) -> int:
         """Elements of a run's own inputs (token ids, labels, masks: not the model's parameters or base
         tensors), which grow with the sequence length: a memory budget's plan holds for steps no larger
         than the one it was measured on."""
         if self._data_positions is None:
-            entries = self.store.entries
+            entries = self.store.host.entries
             self._data_positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
                                          and not a.requires_grad and id(a) not in entries)
         return sum(args[i].numel() for i in self._data_positions if isinstance(args[i], torch.Tensor))
@@ -539,15 +540,15 @@ class GraphRuntime:
 
     def _drop_copies_for_backward(self) -> None:
         """Turn-around copies no backward took (another graph's, or an abandoned forward's): gone."""
-        for tensors in self.store.copies_for_backward.values():
+        for tensors in self.store.residency.copies_for_backward.values():
             self._release(tensors)
-        self.store.copies_for_backward.clear()
+        self.store.residency.copies_for_backward.clear()
 
     def _release(self, tensors: Any) -> None:
         for t in tensors:
-            if id(t) in self.store.stashed_ids:
-                self.store.stashed_ids.discard(id(t))
-                self.store.ledger.on_evict(nbytes(t))
+            if id(t) in self.store.residency.stashed_ids:
+                self.store.residency.stashed_ids.discard(id(t))
+                self.store.residency.ledger.on_evict(nbytes(t))
 
     def _run(self, graph_run: Callable[[], Any], runs: int = 1) -> Any:
         """``graph_run()``, booked in the ledger as ``runs`` runs of the graph."""
@@ -559,7 +560,7 @@ class GraphRuntime:
         if self.measure:
             self._finish_measuring()
         if self.store is not None:
-            ledger = self.store.ledger
+            ledger = self.store.residency.ledger
             if self.phase == "forward":
                 ledger.forward_runs += runs
             else:
