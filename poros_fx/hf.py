@@ -62,7 +62,7 @@ class PorosTrainer(transformers.Trainer):
         PorosOptions.from_dict(options)  # bad options raise here, not at the first step
         model = kwargs.get("model", args[0] if args else None)
         if "memory_budget" not in options and not options.get("least_memory") and \
-                getattr(get_store(model), "budget_request", None) is None:
+                (get_store(model) is None or get_store(model).budget.request is None):
             options["memory_budget"] = AUTO  # a trainer keeps what fits on the device (prepare's budget wins)
         # set before Trainer.__init__: it calls _move_model_to_device, which prepares the model
         self.poros_options: dict[str, Any] = options
