@@ -6,7 +6,7 @@ same parameter names, same adapter), with two changes:
 * every frozen tensor's data lives in the host store: views of one exact-size host arena
   (page-locked for CUDA, see ``runtime/arena.py``), so the base is on the compute device only while a
   graph uses it, apart from the turn-around copies (a training backward's last blocks wait there for
-  the next forward, ``runtime/executor.py``) and the blocks a ``memory_budget`` keeps;
+  the next forward, ``runtime/turnaround.py``) and the blocks a ``memory_budget`` keeps;
 * each module holding frozen tensors gets a subclass of its own class whose ``weight`` / ``bias``
   attributes are properties returning ``poros::load(host, device)`` (bitsandbytes ``Linear4bit``
   gets a forward that loads the packed weight and its quant state the same way and then calls the

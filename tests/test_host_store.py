@@ -106,7 +106,7 @@ def test_head_chunks_is_automatic_above_512_mib():
 
 
 def test_host_runs_merge_neighbours_of_one_storage_only():
-    from poros_fx.runtime.executor import RUN_GAP, host_runs
+    from poros_fx.runtime.copies import RUN_GAP, host_runs
 
     arena = HostArena(3 * RUN_GAP)
     a = arena.place(torch.arange(100, dtype=torch.float32))

@@ -123,7 +123,7 @@ def _streamed_bytes(sizes: list[int]) -> int:
 def _fitting(sizes: list[int], room: int) -> list[int]:
     """Blocks kept in ``room`` bytes: the last block first (the head: the backward's first block), then
     layer blocks spread evenly over the layers. A load waits for the compute stream to reach it (one or
-    two blocks ahead, ``executor.py``), so a run of kept blocks leaves the copy stream idle while it
+    two blocks ahead, ``copies.py``), so a run of kept blocks leaves the copy stream idle while it
     computes; a kept block between streamed ones computes while the next streamed block copies. 72B
     under 24 GB (H200, one call): the last 36 of 80 layers kept, 1.187 s a step; 35 spread, 1.032 s
     (``docs/bench/h200_budget_spread``)."""
@@ -216,6 +216,15 @@ def measures_next(store: Any, size: int) -> bool:
     if store.budget.memory_budget is None or store.budget.measuring:
         return False
     return store.budget.plan is None or size > store.budget.plan.measured_size
+
+
+def before_training_forward(store: Any, size: int) -> None:
+    """Before a streamed training forward whose inputs hold ``size`` elements (times the micro-batches run
+    together): a step that measures a new plan starts without the copies the last backward left for it,
+    then ``start_measuring``."""
+    if measures_next(store, size):  # a measuring step starts with nothing of the last one
+        store.residency.drop_copies_for_forward()
+    start_measuring(store, size)
 
 
 def start_measuring(store: Any, size: int) -> None:
