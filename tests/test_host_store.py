@@ -8,6 +8,9 @@ import poros_fx
 from poros_fx import ops
 from poros_fx.prepare import get_store
 from poros_fx.runtime.arena import ALIGN, HostArena, aligned
+from poros_fx.runtime.budget import BudgetState
+from poros_fx.runtime.host_tensors import HostTensors
+from poros_fx.runtime.store import HostStore
 from poros_fx.models.tiny import tiny_lora_model
 
 
@@ -193,3 +196,18 @@ def test_a_region_loads_its_layer_as_one_block():
     s = poros_fx.stats(model)
     assert s["loads"] == 2 * 2 + 2 * 2  # each layer's block, forward and recompute; the head's norm and weight too
     assert s["host_bytes"] == sum(e.nbytes for e in store.host.tensors())  # blocks are not counted twice
+
+
+def test_the_store_reads_and_sets_its_parts_where_the_training_loop_and_the_benchmark_rows_use_it():
+    store = HostStore(device=torch.device("cpu"), prefetch=1, family=None,
+                      host=HostTensors(block_size=1, block_names=["embed", "layers.0", "head"]),
+                      budget=BudgetState(memory_budget=10))
+    store.host.head_chunks = 3
+    assert store.head_chunks == 3 and store.block_bytes() == [0, 0, 0]
+    assert store.memory_budget == 10
+    store.memory_budget = None
+    assert store.budget.memory_budget is None
+    graphs = object()
+    store.region_graphs = graphs
+    assert store.residency.region_graphs is graphs and store.region_graphs is graphs
+    assert store.resident_cache is store.residency.resident_cache
