@@ -88,18 +88,18 @@ def test_load_group(benchmark, layout):
     step()
     store = get_store(model)
     block = 1  # layers.0
-    entries = [e for e in store.entries.values() if block in e.blocks and e.spans == (layout != "tensors")]
+    entries = [e for e in store.host.entries.values() if block in e.blocks and e.spans == (layout != "tensors")]
     hosts = [e.host for e in entries]
     schedule = None
     if layout == "slots":  # as under CUDA graphs: the span lands in a load slot (runtime/load_slots.py)
-        store.region_graphs = RegionGraphs(torch.device("cpu"), backend=_ReplayNothing())
+        store.residency.region_graphs = RegionGraphs(torch.device("cpu"), backend=_ReplayNothing())
         schedule = types.SimpleNamespace(options=types.SimpleNamespace(cuda_graphs=True, block_major=False))
     runtime = GraphRuntime(store, stream=True, phase="forward", schedule=schedule)
     runtime.load_group(hosts, torch.device("cpu"), block)  # plans the group's layout once, as a step does
     benchmark.extra_info.update(tensors=len(hosts), bytes=sum(e.nbytes for e in entries))
     benchmark(runtime.load_group, hosts, torch.device("cpu"), block)
     if layout == "slots":  # each call found the slot the call before it freed
-        assert store.region_graphs.load_slots.as_dict()["slots"] <= 2
+        assert store.residency.region_graphs.load_slots.as_dict()["slots"] <= 2
 
 
 class _ReplayNothing:

@@ -33,7 +33,7 @@ from .rng import PHASE
 
 def capture_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
     store = schedule.store
-    graphs = store.region_graphs if store is not None and schedule.options.cuda_graphs else None
+    graphs = store.residency.region_graphs if store is not None and schedule.options.cuda_graphs else None
     if graphs is None:
         return gm
     found = weakref.ref(graphs)  # the compiled graph must not keep the model's pool alive

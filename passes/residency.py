@@ -5,7 +5,8 @@ Each ``poros.load`` becomes a call of the graph's ``GraphRuntime.load`` (ledger,
 prefetch pass numbered alike) first get one ``load_group`` node that copies all their host tensors
 in one device buffer (one copy per contiguous host range, one copy-done event), and each load takes
 its tensor from it (``options={"group_copies": False}``: each load copies its own tensor, the
-runtime before grouping, kept to measure the two side by side). An ``evict`` follows the last
+runtime before grouping, kept to measure the two side by side). An evict (``GraphRuntime.book_evict``,
+which books the tensor out of the ledger; its memory goes with its last reference) follows the last
 reader of the loaded tensor and of every view of it, and the pass checks the structural promise:
 nothing computed from loaded tensors alone (a view, a cast, a dequantized weight) leaves the forward
 graph, so the backward can only get base weights by loading them again. On CUDA, where loads run on the copy stream, a ``wait`` goes right before the
@@ -25,7 +26,7 @@ After (CUDA; on the CPU there is no wait and ``t`` reads ``load``)::
     wait = runtime.wait(load)              # compute stream waits for the group's copy
     t = aten.t(wait)
     mm = aten.mm(view, t)
-    evict = runtime.evict(load)            # load and t are dead from here
+    book_evict = runtime.book_evict(load)  # load and t are dead from here: booked out of the ledger
     add = aten.add(mm, ...)
 """
 
@@ -134,7 +135,7 @@ def residency(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
         last = max((u for a in group for u in a.users), key=position.__getitem__)
         first = min(ld.users, key=position.__getitem__)
         with graph.inserting_after(last):
-            ev = graph.call_function(runtime.evict, (ld,))
+            ev = graph.call_function(runtime.book_evict, (ld,))
         ev.meta[BLOCK] = block
         if runtime.overlap:
             with graph.inserting_before(first):

@@ -2,7 +2,7 @@
 and the gradient-checkpointing check every surface makes.
 
 ``prepare`` sets ``model._poros_store`` (the ``runtime.store.HostStore``) and marks each host tensor with
-``_poros_entry`` (its ``HostEntry``); the compiler, the runtime, the surfaces and the tools read them
+``_poros_entry`` (its ``runtime.host_tensors.HostEntry``); the compiler, the runtime, the surfaces and the tools read them
 through this module, which imports nothing of poros-fx but ``errors``, so any layer may use it.
 """
 

@@ -63,7 +63,7 @@ class PorosTrainer(transformers.Trainer):
         self._poros_prepare_options = prepare_options(options)  # what the user gave, not the trainer's default
         model = kwargs.get("model", args[0] if args else None)
         if "memory_budget" not in options and not options.get("least_memory") and \
-                getattr(get_store(model), "budget_request", None) is None:
+                (get_store(model) is None or get_store(model).budget.request is None):
             # a trainer keeps what fits on the device (prepare's budget wins)
             options["memory_budget"] = TRAINER_DEFAULTS["memory_budget"]
         # set before Trainer.__init__: it calls _move_model_to_device, which prepares the model

@@ -6,7 +6,7 @@ same parameter names, same adapter), with two changes:
 * every frozen tensor's data lives in the host store: views of one exact-size host arena
   (page-locked for CUDA, see ``runtime/arena.py``), so the base is on the compute device only while a
   graph uses it, apart from the turn-around copies (a training backward's last blocks wait there for
-  the next forward, ``runtime/executor.py``) and the blocks a ``memory_budget`` keeps;
+  the next forward, ``runtime/turnaround.py``) and the blocks a ``memory_budget`` keeps;
 * each module holding frozen tensors gets a subclass of its own class whose ``weight`` / ``bias``
   attributes are properties returning ``poros::load(host, device)`` (bitsandbytes ``Linear4bit``
   gets a forward that loads the packed weight and its quant state the same way and then calls the
@@ -38,8 +38,9 @@ from .host_modules import (QS_BUFFERS, gathers_here, head_rows, is_linear4bit, p
 from .options import default_codegen, prepare_settings, resolve_device
 from .report import report
 from .runtime.arena import HostArena, aligned
-from .runtime.budget import resolve_budget
-from .runtime.store import HostEntry, HostStore
+from .runtime.budget import BudgetState, resolve_budget
+from .runtime.host_tensors import HostEntry, HostTensors
+from .runtime.store import HostStore
 
 logger = logging.getLogger("poros_fx")
 
@@ -135,10 +136,11 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
 
     names = block_names(len(layers), block_size)
     budget, budget_source = resolve_budget(memory_budget, device)
-    store = HostStore(device=device, block_size=block_size, prefetch=prefetch, family=fam, block_names=names,
-                      codegen=codegen or default_codegen(device), memory_budget=budget, block_major=block_major,
-                      offload_boundaries=offload_boundaries, budget_request=memory_budget,
-                      budget_source=budget_source)
+    store = HostStore(device=device, prefetch=prefetch, family=fam,
+                      host=HostTensors(block_size=block_size, block_names=names),
+                      codegen=codegen or default_codegen(device), block_major=block_major,
+                      budget=BudgetState(memory_budget=budget, request=memory_budget, source=budget_source),
+                      offload_boundaries=offload_boundaries)
     block_of = module_blocks(fam, len(layers), block_size)
     attention_undo = attention.use(config)  # SDPA as eager calls it, also under torch.compile
     if attention_undo is not None:
@@ -165,7 +167,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
     needed = _arena_bytes(owners)
     if _arena is not None and _arena.capacity < needed:  # the loader's arena, already holding the tensors
         raise AssertionError(f"the loader's host arena holds {_arena.capacity} bytes, prepare needs {needed}")
-    store.arena = _arena if _arena is not None else HostArena(needed)
+    store.host.arena = _arena if _arena is not None else HostArena(needed)
     head = lm.get_output_embeddings() if callable(getattr(lm, "get_output_embeddings", None)) else None
     chunked_head = None
     loss_rows = loss_chunks = None
@@ -174,7 +176,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
         if count > 1:
             chunked_head = head
             head._poros_row_chunks = loss.row_chunks(head.out_features, count)
-            store.head_chunks = count
+            store.host.head_chunks = count
         if loss.chunkable_head(head):
             loss_rows = head_rows(head)
             loss_chunks = (head._poros_row_chunks if head_chunks is not None and count > 1 else
@@ -208,7 +210,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
                                    no_training_cache=fam.status == "validated"))
     store.lm_ref = weakref.ref(lm)
     if device.type == "cuda":
-        store.arena.pin()  # one exact-size page-locked range (see runtime/arena.py)
+        store.host.arena.pin()  # one exact-size page-locked range (see runtime/arena.py)
     setattr(model, STORE_ATTR, store)
     if unwrap(model) is not lm:
         setattr(lm, STORE_ATTR, store)
@@ -221,7 +223,7 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
     """Each decoder layer gets a class whose forward is one ``poros::region`` call under torch.compile
     (``compiler/regions/``), and the store a table of the regions traced from them."""
     store.regions = RegionTable(list(layers))
-    hosts = {id(e.host) for e in store.entries.values()}
+    hosts = {id(e.host) for e in store.host.entries.values()}
     classes: dict[type, type] = {}
     for index, layer in enumerate(layers):
         before = type(layer)
@@ -240,7 +242,7 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
             (t.data_ptr() - block.data_ptr(), t.dtype, tuple(t.shape), tuple(t.stride())) for t in layer._poros_hosts)
         if block is not None:
             name = f"{store.family.layers}.{index} (its {len(layer._poros_hosts)} host tensors, side by side)"
-            _add_entry(store, name, block, store.device, (1 + index // store.block_size,),
+            _add_entry(store, name, block, store.device, (1 + index // store.host.block_size,),
                        members=tuple(layer._poros_hosts))
 
         def undo(layer=layer, before=before):
@@ -274,12 +276,12 @@ def _host_block(store: HostStore, hosts: list[torch.Tensor]) -> torch.Tensor | N
     """One uint8 tensor over the arena bytes of ``hosts`` (a decoder layer's host tensors) when they lie
     side by side there, with nothing else between them (prepare places a layer's tensors one after the
     other; the loader's checkpoint order may not); else ``None``."""
-    if not hosts or any(not store.arena.holds(h) or not h.is_contiguous() for h in hosts):
+    if not hosts or any(not store.host.arena.holds(h) or not h.is_contiguous() for h in hosts):
         return None
     start = min(h.data_ptr() for h in hosts)
     end = max(h.data_ptr() + h.numel() * h.element_size() for h in hosts)
     layer_hosts = {id(h) for h in hosts}
-    for entry in store.entries.values():
+    for entry in store.host.entries.values():
         ptr = entry.host.data_ptr()
         if id(entry.host) not in layer_hosts and not entry.spans and start <= ptr < end:
             return None
@@ -295,9 +297,9 @@ def unprepare(model: nn.Module) -> nn.Module:
         raise PorosConfigError("model is not prepared (poros_fx.prepare was not called on it, or unprepare already ran)")
     for undo in reversed(store.undo):
         undo()
-    store.resident_cache.clear()
-    if store.arena is not None:
-        store.arena.unpin()
+    store.residency.resident_cache.clear()
+    if store.host.arena is not None:
+        store.host.arena.unpin()
     model.__dict__.pop("_poros_step_wrappers", None)  # @poros_fx.step's compiled wrappers of this model
     for holder in {id(model): model, id(causal_lm(model)): causal_lm(model)}.values():
         if hasattr(holder, STORE_ATTR):
@@ -323,11 +325,11 @@ def _arena_bytes(owners: list[tuple[str, nn.Module, list[str]]]) -> int:
 def _host_copy(store: HostStore, t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in the store's host arena. ``place`` copies with plain ``copy_`` on purpose:
     ``Params4bit.to`` would move its quant state as a side effect."""
-    return store.arena.place(t.data)
+    return store.host.arena.place(t.data)
 
 
 def _move_param(store: HostStore, name: str, param: torch.Tensor, blocks: tuple[int, ...]) -> None:
-    if id(param) in store.entries:
+    if id(param) in store.host.entries:
         return  # a tied tensor, already moved under its first name
     origin = param.device
     param.data = _host_copy(store, param)
@@ -387,7 +389,7 @@ def _add_entry(store: HostStore, name: str, host: torch.Tensor, origin: torch.de
                members: tuple[torch.Tensor, ...] = ()) -> None:
     entry = HostEntry(name=name, host=host, origin_device=origin, blocks=blocks, store_ref=weakref.ref(store),
                       members=members)
-    store.entries[id(host)] = entry
+    store.host.entries[id(host)] = entry
     setattr(host, ENTRY_ATTR, entry)
 
 

@@ -45,8 +45,8 @@ def _adapter(model: nn.Module) -> str:
 
 def _precision(model: nn.Module) -> str:
     store = get_store(model)
-    nf4 = any(".quant_state." in e.name for e in store.tensors())
-    dtypes = Counter(str(e.host.dtype).replace("torch.", "") for e in store.tensors()
+    nf4 = any(".quant_state." in e.name for e in store.host.tensors())
+    dtypes = Counter(str(e.host.dtype).replace("torch.", "") for e in store.host.tensors()
                      if ".quant_state." not in e.name and e.host.dtype.is_floating_point)
     dense = "+".join(d for d, _ in dtypes.most_common())
     return f"NF4 (bitsandbytes) + {dense}" if nf4 else dense
@@ -54,9 +54,9 @@ def _precision(model: nn.Module) -> str:
 
 def _ends(store) -> str:
     """How the embedding and the head reach the device."""
-    gathered = any(not e.blocks for e in store.tensors())
-    head = store.block_bytes()[-1]
-    chunks = store.head_chunks
+    gathered = any(not e.blocks for e in store.host.tensors())
+    head = store.host.block_bytes()[-1]
+    chunks = store.host.head_chunks
     return ("embedding rows gathered from the host store" if gathered else "embedding table loaded as a block") + (
         f"; lm_head in {chunks} row chunks of ~{format_bytes(head / chunks)}" if chunks > 1 else
         f"; head block loaded whole ({format_bytes(head)})")
@@ -86,7 +86,7 @@ def report(model: nn.Module) -> str:
     if store is None:
         raise PorosConfigError("model is not prepared; call poros_fx.prepare(model) first")
     fam = store.family
-    sizes = store.block_bytes()
+    sizes = store.host.block_bytes()
     guarantee = ("streamed == stream=False, torch.equal on loss, adapter, grad norms and optimizer state "
                  "(validated family, parity-tested in CI)" if fam.status == "validated" else
                  "user_asserted: streamed through the same passes, but no parity test of poros-fx has run on "
@@ -96,9 +96,9 @@ def report(model: nn.Module) -> str:
         ("family", f"{fam.status}" + (f" ({fam.test})" if fam.test else "")),
         ("adapter", _adapter(model)),
         ("precision", _precision(model)),
-        ("block_size", f"{store.block_size} (prefetch {store.prefetch}), {len(sizes)} blocks, largest "
-                       f"{format_bytes(max(sizes))} ({store.block_names[sizes.index(max(sizes))]})"),
-        ("host base", format_bytes(store.host_bytes()) + (" (pinned)" if store.pinned() else "")
+        ("block_size", f"{store.host.block_size} (prefetch {store.prefetch}), {len(sizes)} blocks, largest "
+                       f"{format_bytes(max(sizes))} ({store.host.block_names[sizes.index(max(sizes))]})"),
+        ("host base", format_bytes(store.host.host_bytes()) + (" (pinned)" if store.host.pinned() else "")
          + f", compute device {store.device}"),
         ("ends", _ends(store)),
         ("layers", _layers(store)),

@@ -49,20 +49,20 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     store = get_store(model)
     if store is None:
         raise PorosConfigError("model is not prepared; call poros_fx.prepare(model) first")
-    ledger = store.ledger
+    ledger = store.residency.ledger
     out = dataclasses.asdict(ledger)
     out["resident_base_bytes"] = out.pop("resident_bytes")
-    out.update(block_bytes=store.block_bytes(), block_names=list(store.block_names), host_bytes=store.host_bytes(),
-               pinned=store.pinned(), pinned_host_bytes=store.pinned_bytes(),
-               head_chunks=store.head_chunks, block_size=store.block_size, prefetch=store.prefetch,
-               device=str(store.device), codegen=store.codegen, memory_budget=store.memory_budget,
-               residency_plan=store.plan.as_dict() if store.plan is not None else None,
+    out.update(block_bytes=store.host.block_bytes(), block_names=list(store.host.block_names), host_bytes=store.host.host_bytes(),
+               pinned=store.host.pinned(), pinned_host_bytes=store.host.pinned_bytes(),
+               head_chunks=store.host.head_chunks, block_size=store.host.block_size, prefetch=store.prefetch,
+               device=str(store.device), codegen=store.codegen, memory_budget=store.budget.memory_budget,
+               residency_plan=store.budget.plan.as_dict() if store.budget.plan is not None else None,
                regions=[{"name": r.name, "layers": list(r.layers), "trace_s": round(r.trace_seconds, 3),
                          "compile_s": {k: round(v, 3) for k, v in r.compile_seconds.items()}}
                         for r in (store.regions.regions if store.regions is not None else [])],
-               cuda_graphs=store.region_graphs.as_dict() if store.region_graphs is not None else None,
+               cuda_graphs=store.residency.region_graphs.as_dict() if store.residency.region_graphs is not None else None,
                cuda_graphs_choice=store.schedules[-1].graphs_note if store.schedules else None,
-               budget_source=store.budget_source,
+               budget_source=store.budget.source,
                compile=_compile_seconds(store))
     if reset:
         ledger.reset()

@@ -236,9 +236,9 @@ def test_a_peak_over_the_budget_is_given_back_once(reference):
     for batch in demo_batches(2):
         step_model(**batch, use_cache=False).loss.backward()
     store = get_store(model)
-    p = store.plan
+    p = store.budget.plan
     assert len(p.resident_blocks) == LAYERS + 1
-    store.ledger.step_peak = p.budget + sizes[1]  # as if the step just run had peaked one block over
+    store.residency.ledger.step_peak = p.budget + sizes[1]  # as if the step just run had peaked one block over
     budget.measure_and_plan(store)
     kept, notes = list(p.resident_blocks), len(p.adjustments)
     assert len(kept) < LAYERS + 1 and notes == 1

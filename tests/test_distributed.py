@@ -165,7 +165,7 @@ def _host_digests(model: torch.nn.Module) -> dict[str, str]:
 
     store = get_store(model)
     return {e.name: hashlib.sha256(e.host.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
-            for e in store.tensors()}
+            for e in store.host.tensors()}
 
 
 def _shared_load(rank: int, world: int, shm: str) -> dict[str, Any]:
@@ -189,7 +189,7 @@ def _shared_load(rank: int, world: int, shm: str) -> dict[str, Any]:
     with distributed.no_ddp_optimizer():
         trace = train(model, compiled, demo_batches(2, seq=16, seed=100 + rank))
     return {"left": left, "shared_ranks": report.shared_ranks, "attached": report.attached,
-            "path": store.arena.shared.path, "inode_gone": not store.arena.shared.linked,
+            "path": store.host.arena.shared.path, "inode_gone": not store.host.arena.shared.linked,
             "digests": _host_digests(model), "weights": trace.weights, "losses": trace.losses,
             "loads": poros_fx.stats(model)["loads"]}
 

@@ -156,7 +156,7 @@ def test_a_prepared_model_whose_base_was_moved_is_refused():
 
     model = poros_fx.prepare(tiny_lora_model(layers=1), device="cpu")
     store = get_store(model)
-    entry = next(e for e in store.tensors() if "q_proj" in e.name)
+    entry = next(e for e in store.host.tensors() if "q_proj" in e.name)
     moved = entry.host.to("meta")
     runtime = GraphRuntime(store, stream=True, phase="forward")
     with pytest.raises(poros_fx.PorosConfigError, match=r"left the host store .*model.to"):

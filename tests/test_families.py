@@ -110,7 +110,7 @@ def test_new_family_streamed_equals_resident_and_eager(family):
     streamed, model = run_new("stream", family, **NEW_CASES[family])
     store = get_store(model)
     assert store.family is poros_fx.VALIDATED[family]
-    assert store.ledger.block_major_steps == NEW_STEPS
+    assert store.residency.ledger.block_major_steps == NEW_STEPS
     regions = store.regions.regions
     assert len(regions) == NEW_REGIONS[family]
     assert sorted(i for r in regions for i in r.layers) == list(range(4))  # every layer a region

@@ -65,7 +65,7 @@ def test_gpu_loads_run_on_the_copy_stream():
         loads = [n for n in nodes if getattr(n.target, "__func__", None) is GraphRuntime.load]
         assert loads, phase
         for ld in loads:
-            readers = [u for u in ld.users if getattr(u.target, "__func__", None) is not GraphRuntime.evict]
+            readers = [u for u in ld.users if getattr(u.target, "__func__", None) is not GraphRuntime.book_evict]
             assert len(readers) == 1 and readers[0].target.__func__ is GraphRuntime.wait, (phase, ld.name)
         # each prefetch group ends with a load that records the group's copy-done event
         assert loads[-1].args[3] is True

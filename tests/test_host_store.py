@@ -8,6 +8,9 @@ import poros_fx
 from poros_fx import ops
 from poros_fx.prepare import get_store
 from poros_fx.runtime.arena import ALIGN, HostArena, aligned
+from poros_fx.runtime.budget import BudgetState
+from poros_fx.runtime.host_tensors import HostTensors
+from poros_fx.runtime.store import HostStore
 from poros_fx.models.tiny import tiny_lora_model
 
 
@@ -17,18 +20,18 @@ def test_every_base_tensor_is_a_view_of_one_exact_size_arena(nf4):
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     poros_fx.prepare(model, device="cpu")
     store = get_store(model)
-    arena = store.arena
+    arena = store.host.arena
     start, end = arena.buffer.data_ptr(), arena.buffer.data_ptr() + arena.capacity
     spans = []
-    for entry in store.tensors():
+    for entry in store.host.tensors():
         assert start <= entry.host.data_ptr() and entry.host.data_ptr() + entry.nbytes <= end, entry.name
         assert entry.host.data_ptr() % ALIGN == 0
         spans.append((entry.host.data_ptr(), entry.host.data_ptr() + entry.nbytes))
     spans.sort()
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "no two tensors overlap"
     # exact size: the base's bytes, plus at most the alignment padding of each tensor
-    assert arena.used == arena.capacity == sum(aligned(e.nbytes) for e in store.tensors())
-    assert store.host_bytes() <= arena.capacity < store.host_bytes() + ALIGN * len(store.entries)
+    assert arena.used == arena.capacity == sum(aligned(e.nbytes) for e in store.host.tensors())
+    assert store.host.host_bytes() <= arena.capacity < store.host.host_bytes() + ALIGN * len(store.host.entries)
     s = poros_fx.stats(model)
     assert s["pinned_host_bytes"] == 0 and not s["pinned"]  # a CPU compute device pins nothing
     poros_fx.unprepare(model)
@@ -106,7 +109,7 @@ def test_head_chunks_is_automatic_above_512_mib():
 
 
 def test_host_runs_merge_neighbours_of_one_storage_only():
-    from poros_fx.runtime.executor import RUN_GAP, host_runs
+    from poros_fx.runtime.copies import RUN_GAP, host_runs
 
     arena = HostArena(3 * RUN_GAP)
     a = arena.place(torch.arange(100, dtype=torch.float32))
@@ -128,16 +131,16 @@ def test_a_block_is_one_copy_and_the_group_views_keep_host_alignment():
     model = tiny_lora_model("qwen2", layers=2, nf4=True)
     poros_fx.prepare(model, device="cpu")
     store = get_store(model)
-    hosts = [e.host for e in store.tensors() if e.blocks == (1,)]
+    hosts = [e.host for e in store.host.tensors() if e.blocks == (1,)]
     runtime = GraphRuntime(store, stream=True, phase="forward")
     out = runtime.load_group(hosts, torch.device("cpu"), 1)
-    assert store.ledger.copies == 1  # the arena keeps a block's tensors side by side
+    assert store.residency.ledger.copies == 1  # the arena keeps a block's tensors side by side
     for h, d in zip(hosts, out):
         assert torch.equal(h, d) and d.dtype == h.dtype and d.data_ptr() % ALIGN == h.data_ptr() % ALIGN
     assert len({d.untyped_storage().data_ptr() for d in out}) == 1
     # the layout is planned once per group; a later load of the group is a fresh buffer, same values
     again = runtime.load_group(hosts, torch.device("cpu"), 1)
-    assert len(runtime._plans) == 1 and store.ledger.copies == 2
+    assert len(runtime._plans) == 1 and store.residency.ledger.copies == 2
     assert all(torch.equal(a, d) and a.data_ptr() != d.data_ptr() for a, d in zip(again, out))
     runtime.load_group(hosts[:2], torch.device("cpu"), 1)
     assert len(runtime._plans) == 2
@@ -184,12 +187,27 @@ def test_a_region_loads_its_layer_as_one_block():
     model = tiny_lora_model("qwen2", layers=2, nf4=True)
     poros_fx.prepare(model, device="cpu")
     store = get_store(model)
-    blocks = [e for e in store.entries.values() if e.spans]
+    blocks = [e for e in store.host.entries.values() if e.spans]
     assert [e.blocks for e in blocks] == [(1,), (2,)]
-    layer_bytes = sum(e.nbytes for e in store.tensors() if e.blocks == (1,))
+    layer_bytes = sum(e.nbytes for e in store.host.tensors() if e.blocks == (1,))
     assert layer_bytes <= blocks[0].nbytes <= layer_bytes + 512 * 37  # the tensors and their alignment gaps
     torch.compile(model, backend="poros", options={"turnaround": False})(**demo_batches(1)[0],
                                                                           use_cache=False).loss.backward()
     s = poros_fx.stats(model)
     assert s["loads"] == 2 * 2 + 2 * 2  # each layer's block, forward and recompute; the head's norm and weight too
-    assert s["host_bytes"] == sum(e.nbytes for e in store.tensors())  # blocks are not counted twice
+    assert s["host_bytes"] == sum(e.nbytes for e in store.host.tensors())  # blocks are not counted twice
+
+
+def test_the_store_reads_and_sets_its_parts_where_the_training_loop_and_the_benchmark_rows_use_it():
+    store = HostStore(device=torch.device("cpu"), prefetch=1, family=None,
+                      host=HostTensors(block_size=1, block_names=["embed", "layers.0", "head"]),
+                      budget=BudgetState(memory_budget=10))
+    store.host.head_chunks = 3
+    assert store.head_chunks == 3 and store.block_bytes() == [0, 0, 0]
+    assert store.memory_budget == 10
+    store.memory_budget = None
+    assert store.budget.memory_budget is None
+    graphs = object()
+    store.region_graphs = graphs
+    assert store.residency.region_graphs is graphs and store.region_graphs is graphs
+    assert store.resident_cache is store.residency.resident_cache

@@ -21,6 +21,7 @@ from poros_fx.runtime.arena import nbytes
 from poros_fx.runtime.cuda_graphs import RegionGraphs
 from poros_fx.runtime.executor import GraphRuntime
 from poros_fx.runtime.load_slots import MAX_SLOTS, LoadSlots
+from poros_fx.runtime.host_tensors import HostTensors
 from poros_fx.runtime.store import HostStore
 from poros_fx.models.tiny import tiny_lora_model
 
@@ -62,7 +63,7 @@ def _graphed_runtime(model: torch.nn.Module) -> tuple[GraphRuntime, HostStore]:
     """A forward runtime of ``model``'s store as a graph with ``options={"cuda_graphs": True}`` has it (the
     graphs' backend is never asked to capture: only the loads are driven)."""
     store = get_store(model)
-    store.region_graphs = RegionGraphs(CPU, backend=object())
+    store.residency.region_graphs = RegionGraphs(CPU, backend=object())
     schedule = types.SimpleNamespace(options=types.SimpleNamespace(cuda_graphs=True, block_major=False))
     return GraphRuntime(store, stream=True, phase="forward", schedule=schedule, training=True), store
 
@@ -73,8 +74,8 @@ def test_streamed_layer_blocks_land_at_the_same_addresses_every_step():
     model = tiny_lora_model("qwen2", layers=4, nf4=True)
     poros_fx.prepare(model, device="cpu")
     runtime, store = _graphed_runtime(model)
-    names = store.block_names
-    hosts = {b: [e.host for e in store.tensors() if e.blocks == (b,)] for b in range(len(names))}
+    names = store.host.block_names
+    hosts = {b: [e.host for e in store.host.tensors() if e.blocks == (b,)] for b in range(len(names))}
     layers = [b for b in range(len(names)) if names[b].startswith("layers")]
     head = names.index("head")
 
@@ -96,19 +97,20 @@ def test_streamed_layer_blocks_land_at_the_same_addresses_every_step():
     first = step()
     assert len(set(first.values())) == 3  # two ahead and the one in use
     assert step() == first and step() == first
-    assert store.region_graphs.load_slots.as_dict()["slots"] == 3
+    assert store.residency.region_graphs.load_slots.as_dict()["slots"] == 3
 
 
 def test_the_budget_counts_the_slots_and_the_copies_in_them_once():
     """Between steps the slots (and a backward's copies left in them for the next forward) are the step's
     loads, not what stays allocated: ``fit`` subtracts them once, and a copy outside a slot once."""
-    store = HostStore(device=torch.device("cuda"), block_size=1, prefetch=2, family=None, block_names=["layers.0"])
+    store = HostStore(device=torch.device("cuda"), prefetch=2, family=None,
+                      host=HostTensors(block_size=1, block_names=["layers.0"]))
     slots = LoadSlots()
-    store.region_graphs = types.SimpleNamespace(load_slots=slots)
+    store.residency.region_graphs = types.SimpleNamespace(load_slots=slots)
     in_slot, other = _take(slots, 256), torch.empty(100, dtype=torch.uint8)
-    store.copies_for_forward = {(1,): [in_slot[:128]], (2,): [other]}
+    store.residency.copies_for_forward = {(1,): [in_slot[:128]], (2,): [other]}
     assert budget._load_window(store) == 256 + nbytes(other)
-    store.region_graphs = None
+    store.residency.region_graphs = None
     assert budget._load_window(store) == 128 + nbytes(other)
 
 

@@ -47,7 +47,7 @@ def sha(t: torch.Tensor) -> str:
 def store_manifest(model) -> dict[str, str]:
     """sha256 of every host-store tensor (NF4 packed weight, absmax, offset, nested absmax and code, bf16
     tensors) and each NF4 weight's quant-state metadata with its 4-bit code table."""
-    out = {e.name: f"{e.host.dtype} {list(e.host.shape)} {sha(e.host)}" for e in get_store(model).tensors()}
+    out = {e.name: f"{e.host.dtype} {list(e.host.shape)} {sha(e.host)}" for e in get_store(model).host.tensors()}
     for name, module in causal_lm(model).named_modules():
         qs = getattr(module, "_poros_quant_state", None)
         if qs is not None:
@@ -107,8 +107,8 @@ def test_nf4_host_store_equals_standard_quantization(tmp_path, family, tied):
     assert report.bytes_read == checkpoint_bytes(path)
     # the loader filled the store's arena itself: prepare adopted it, every tensor in place, nothing left over
     store = get_store(model)
-    assert store.arena.used == store.arena.capacity
-    assert all(store.arena.holds(e.host) for e in store.tensors())
+    assert store.host.arena.used == store.host.arena.capacity
+    assert all(store.host.arena.holds(e.host) for e in store.host.tensors())
     # tensor by tensor: never more in flight than one decoder layer of the checkpoint
     specs = loader.read_checkpoint_index(path)
     layer_bytes = sum(s.nbytes for n, s in specs.items() if n.startswith("model.layers.0."))

@@ -83,7 +83,7 @@ def test_the_op_itself_outside_torch_compile():
     eager = build(nested=True)
     # an eager training forward of a prepared model is refused (HostStore.on_eager) unless a poros graph is
     # running: mark one as running to reach the op's own implementation and autograd formula
-    steps = get_store(prepared).steps
+    steps = get_store(prepared).residency.steps
     steps.begin()
     try:
         streamed_eagerly = train(prepared, prepared, batches, accumulate=2)

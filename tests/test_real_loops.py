@@ -247,11 +247,11 @@ def test_budget_is_measured_again_for_a_longer_step():
     with torch.no_grad():  # an evaluation before training
         step_model(**batches_of([(4, 48)])[0], use_cache=False)
     store = get_store(model)
-    assert store.plan is None and not store.budget_measuring
+    assert store.budget.plan is None and not store.budget.measuring
     torch.manual_seed(1234)
     optimizer = adamw(model)
     first = train(model, marked(step_model), batches_of(shapes[:2]), optimizer=optimizer)
-    short = store.plan.measured_size
+    short = store.budget.plan.measured_size
     rest = train(model, marked(step_model), batches_of(shapes[2:], seed=1), optimizer=optimizer, seed=None)
     plan = poros_fx.stats(model)["residency_plan"]
     assert plan["measured_size"] > short and plan["resident_blocks"]  # planned again, blocks kept again

@@ -66,7 +66,7 @@ def test_equal_fingerprints_trace_equal_graphs(family):
     calls = {}
     hooks = [layer.register_forward_pre_hook(lambda mod, args, kwargs, i=i: calls.setdefault(i, (args, kwargs)),
                                              with_kwargs=True) for i, layer in enumerate(table.layers)]
-    steps = get_store(model).steps  # an eager forward with grad is refused unless a poros graph is running
+    steps = get_store(model).residency.steps  # an eager forward with grad is refused unless a poros graph is running
     steps.begin()
     try:
         model(**demo_batches(1, seq=16)[0], use_cache=False)  # the calls the model makes, from a plain forward

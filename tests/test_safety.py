@@ -108,7 +108,7 @@ def test_a_cpu_built_model_prepared_for_cuda_trains():
     adapter = [p for p in model.parameters() if p.requires_grad]
     assert all(p.is_cuda for p in adapter)
     assert all(b.is_cuda for b in model.buffers())  # rotary inv_freq (a dense base has no host buffers)
-    assert all(e.host.device.type == "cpu" for e in get_store(model).entries.values())
+    assert all(e.host.device.type == "cpu" for e in get_store(model).host.entries.values())
     batch = {k: v.cuda() for k, v in demo_batches(1, seq=16)[0].items()}
     step_model = torch.compile(model, backend="poros")
     for _ in range(2):  # the backward runs on autograd's device thread: still one step at a time
@@ -175,7 +175,7 @@ def test_a_graph_running_refuses_another():
     step_model = torch.compile(model, backend="poros")
     batch = demo_batches(1, seq=8)[0]
     step_model(**batch, use_cache=False).loss.backward()
-    steps = get_store(model).steps
+    steps = get_store(model).residency.steps
     steps.begin()
     try:
         with pytest.raises(poros_fx.PorosConfigError, match="while another one was still running"):

@@ -129,7 +129,7 @@ def _lora() -> peft.LoraConfig:
 def test_a_model_attached_through_its_manifest_is_the_loaded_one(quantization):
     config = tiny_config("qwen2", layers=2, tie_word_embeddings=quantization == "bf16")
     loaded = poros_fx.from_config(config, quantization=quantization, device="cpu", progress=False)
-    arena = get_store(loaded).arena
+    arena = get_store(loaded).host.arena
     poros_fx.unprepare(loaded)  # the base as the loader hands it to prepare: what a host's leader describes
     described = manifest.describe(loaded, arena)
     twin = meta_model.meta_model(config, quantization, poros_fx.families.resolve("qwen2"))
@@ -163,13 +163,13 @@ def test_a_model_attached_through_its_manifest_is_the_loaded_one(quantization):
 def test_a_manifest_of_another_model_is_refused():
     config = tiny_config("qwen2", layers=2)
     loaded = poros_fx.from_config(config, quantization="bf16", device="cpu", progress=False)
-    described = manifest.describe(loaded, get_store(loaded).arena)
+    described = manifest.describe(loaded, get_store(loaded).host.arena)
     other = meta_model.meta_model(tiny_config("qwen2", layers=3), "bf16", poros_fx.families.resolve("qwen2"))
     with pytest.raises(poros_fx.LoaderError, match="disagree on their tensors"):
-        manifest.attach(other, get_store(loaded).arena, described)
+        manifest.attach(other, get_store(loaded).host.arena, described)
     wider = meta_model.meta_model(tiny_config("qwen2", layers=2, vocab=512), "bf16", poros_fx.families.resolve("qwen2"))
     with pytest.raises(poros_fx.LoaderError, match="every rank must load the same model"):
-        manifest.attach(wider, get_store(loaded).arena, described)
+        manifest.attach(wider, get_store(loaded).host.arena, described)
 
 
 # -- when the loader shares --------------------------------------------------------------------------
@@ -218,7 +218,7 @@ def test_the_host_store_goes_on_ddps_ignore_list():
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = dict(model.named_buffers(remove_duplicate=False))
     store = get_store(model)
-    hosts = {id(e.host) for e in store.tensors()}
+    hosts = {id(e.host) for e in store.host.tensors()}
     assert {id({**params, **buffers}[n]) for n in names} == hosts  # every host tensor, under its names
     assert not any(params[n].requires_grad for n in names if n in params)
     assert any(n.endswith(".poros_qs_absmax2") for n in names)  # the NF4 quant-state buffers too

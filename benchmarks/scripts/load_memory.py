@@ -240,15 +240,15 @@ def _store_numbers(model) -> dict[str, Any]:
     store = get_store(model)
     if store is None:
         return {}
-    out: dict[str, Any] = {"entries": len(store.entries),
-                           "base_bytes": sum(e.host.numel() * e.host.element_size() for e in store.tensors())}
+    out: dict[str, Any] = {"entries": len(store.host.entries),
+                           "base_bytes": sum(e.host.numel() * e.host.element_size() for e in store.host.tensors())}
     try:
-        out["store_host_bytes"] = int(store.host_bytes())
+        out["store_host_bytes"] = int(store.host.host_bytes())
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         out["store_host_bytes_error"] = repr(e)
-    pinned_bytes = getattr(store, "pinned_bytes", None)
+    pinned_bytes = getattr(store.host, "pinned_bytes", None)
     out["pinned_bytes"] = int(pinned_bytes()) if callable(pinned_bytes) else None
-    pinned = getattr(store, "pinned", None)
+    pinned = getattr(store.host, "pinned", None)
     out["pinned"] = bool(pinned()) if callable(pinned) else None
     return out
 

@@ -75,11 +75,11 @@ def _measured_depth(store: HostStore | None) -> tuple[int, str]:
     """The backward's prefetch depth from the forward's measured first run (runtime/depth.py)."""
     if store is None:
         return 1, "prefetch auto: 1 (the model is not prepared: nothing streams)"
-    sizes = store.block_bytes()
+    sizes = store.host.block_bytes()
     layer = max(sizes[1:-1]) if len(sizes) > 2 else max(sizes, default=0)
     free = torch.cuda.mem_get_info(store.device)[0] if store.device.type == "cuda" else None
     return choose_prefetch(store.timing, device_type=store.device.type, block_bytes=layer, free_bytes=free,
-                           budgeted=store.memory_budget is not None)
+                           budgeted=store.budget.memory_budget is not None)
 
 
 OFFLOAD_CUDA_WARNING = ("poros backend: offload_boundaries on CUDA is not yet validated bit for bit (its GPU parity "
@@ -178,13 +178,13 @@ def _set_budget(store: Any, request: int | str | None, least_memory: bool) -> No
     anew. ``"auto"`` is resolved once, at the first graph that asks for it (``runtime/budget.py``)."""
     if request is None and not least_memory:
         return
-    if request == store.budget_request:
+    if request == store.budget.request:
         return
     budget, source = resolve_budget(request, store.device)
-    if budget != store.memory_budget:
+    if budget != store.budget.memory_budget:
         store.forget_plan()
-        store.memory_budget = budget
-    store.budget_request, store.budget_source = request, source
+        store.budget.memory_budget = budget
+    store.budget.request, store.budget.source = request, source
 
 
 def _check_no_checkpointing(gm: fx.GraphModule) -> None:
@@ -214,14 +214,14 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
     if store is not None:
         _set_budget(store, None if opts.least_memory else opts.memory_budget, opts.least_memory)
     # on CUDA only: on the CPU a load is a synchronous copy, and a deeper window only raises the peak
-    budgeted = store is not None and store.device.type == "cuda" and store.memory_budget is not None
+    budgeted = store is not None and store.device.type == "cuda" and store.budget.memory_budget is not None
     schedule = Schedule(
         graph_id=dumper.folder.name if dumper.folder else hex(id(gm)),
         options=dataclasses.replace(opts, cuda_graphs=graphs),
         graphs_note=graphs_note,
         graphs_asked=opts.cuda_graphs is True,
         device=device,
-        block_size=opts.block_size or (store.block_size if store else 1),
+        block_size=opts.block_size or (store.host.block_size if store else 1),
         # "auto": the forward loads one block ahead; two under a memory budget, whose kept blocks sit
         # between streamed ones (runtime/budget.py): one ahead, the load after a kept block would wait
         # for the compute stream to reach that kept block, and the copy stream would idle while it computes
@@ -240,8 +240,8 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         if device.type == "cuda" and opts.cuda_graphs is None and not opts.least_memory and not graphs:
             warnings.warn(f"poros: CUDA graphs {graphs_note}", stacklevel=2)  # the default fell back
         if graphs:
-            if store.region_graphs is None:
-                store.region_graphs = RegionGraphs(store.device)
+            if store.residency.region_graphs is None:
+                store.residency.region_graphs = RegionGraphs(store.device)
         if schedule.offload_boundaries and schedule.stream and schedule.device.type == "cuda":
             warnings.warn(OFFLOAD_CUDA_WARNING, stacklevel=2)
         store.schedules.append(schedule)
@@ -251,9 +251,9 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
                             if isinstance(t, torch.Tensor) and getattr(t, ENTRY_ATTR, None) is not None}
     # every tensor of the store, not just this graph's inputs (a layer's block stays in the arena when
     # its tensors are moved)
-    moved = [e.name for e in store.tensors() if e.host.device.type != "cpu"] if store is not None else []
+    moved = [e.name for e in store.host.tensors() if e.host.device.type != "cpu"] if store is not None else []
     if moved:
-        raise PorosConfigError(store.moved_message(moved))
+        raise PorosConfigError(store.host.moved_message(moved))
 
     # the first step of a large model compiles for minutes: say where it is (logging.INFO on "poros_fx")
     logger.info("poros: Dynamo captured %d nodes (%d host tensors); AOTAutograd traces the joint graph",
@@ -300,7 +300,7 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
             store = schedule.store  # held weakly: the compiled graph must not keep the model's base alive
             if schedule.auto_prefetch and phase == "backward":
                 schedule.prefetch, schedule.prefetch_note = _measured_depth(store)
-            reused = _reused_by_backward(schedule, phase, store.head_chunks if store else 1)
+            reused = _reused_by_backward(schedule, phase, store.host.head_chunks if store else 1)
             if phase == "forward":  # by the forward's prefetch (a backward with prefetch "auto" measures its own)
                 schedule.reused_by_backward = reused
                 schedule.reused_by_forward = _reused_by_forward(schedule) if schedule.blocks else frozenset()

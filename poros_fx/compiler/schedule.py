@@ -176,7 +176,7 @@ class Schedule:
                      f"{r.trace_seconds:.1f} s, compiled in {r.compile_seconds:.1f} s (once for every graph)\n")
         if self.store is not None:
             tail += f"memory: {describe(self.store)}\n"
-            tail += (f"accumulation: block-major ({self.store.ledger.block_major_steps} step(s) so far: each block loaded "
+            tail += (f"accumulation: block-major ({self.store.residency.ledger.block_major_steps} step(s) so far: each block loaded "
                      "once for all micro-batches of an optimizer step)\n" if self.runtime is not None
                      and self.runtime.block_major else "accumulation: micro-batch after micro-batch\n")
         return head + "\n".join(lines) + tail

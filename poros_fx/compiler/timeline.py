@@ -94,7 +94,7 @@ def build(schedule: Schedule) -> Timeline:
             left = phase == "backward" and block in schedule.reused_by_forward
             if _is(n, GraphRuntime.load) and not (turned and phase == "backward"):
                 loads.append((n.args[2], pos))
-            elif _is(n, GraphRuntime.evict) and not (turned and phase == "forward") and not left:
+            elif _is(n, GraphRuntime.book_evict) and not (turned and phase == "forward") and not left:
                 evicts.append((n.meta.get(BLOCK, -1), pos))
             if _allocates(n) or _is(n, GraphRuntime.load):
                 hold(n, i)  # a forward value saved for the backward lives until the forward's output

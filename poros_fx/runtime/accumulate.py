@@ -226,7 +226,7 @@ class BlockMajorStep:
 
     def _model_tensors(self) -> set[int]:
         found = {id(t) for t in self.model.parameters()} | {id(t) for t in self.model.buffers()}
-        found |= {id(e.host) for e in self.store.entries.values()}
+        found |= {id(e.host) for e in self.store.host.entries.values()}
         found |= {id(t) for t in self.shared_extra}
         return found
 
@@ -234,10 +234,10 @@ class BlockMajorStep:
         """Run this step micro-batch-major, and say why (a warning once per model, the log after that)."""
         self.off = reason
         message = f"poros block-major accumulation is off for this step: {reason}; {FALLBACK_ADVICE}"
-        if self.store.block_major_warned:
+        if self.store.residency.block_major_warned:
             logger.info("%s", message)
         else:
-            self.store.block_major_warned = True
+            self.store.residency.block_major_warned = True
             warnings.warn(message + " (warned once per prepared model)", stacklevel=4)
 
     def _run_forward(self, runtime: Any) -> list:
@@ -273,8 +273,8 @@ class BlockMajorStep:
                 f"its draws ({len(step_draws)} generator calls). Run with options={{'block_major': False}} (and please "
                 "report the model)")
         self.states, self.generators = states, generators
-        self.store.ledger.block_major_steps += 1
-        self.store.ledger.block_major_micro_batches += self.n
+        self.store.residency.ledger.block_major_steps += 1
+        self.store.residency.ledger.block_major_micro_batches += self.n
         self.drawing_generators = tuple(k for k in range(len(devices))
                                         if not all(torch.equal(s[k], start[k]) for s in states))
         return outputs
@@ -381,8 +381,8 @@ def runs_block_major(model: torch.nn.Module, micro_batches: Sequence[Any], *, st
     if data_parallel:
         reason = ("the model runs under DistributedDataParallel (block-major there is not validated: DDP's forward "
                   "hands the graph its own tensors and all-reduces every backward)")
-        if not store.block_major_warned:
-            store.block_major_warned = True
+        if not store.residency.block_major_warned:
+            store.residency.block_major_warned = True
             warnings.warn(f"poros block-major accumulation is off: {reason}; {FALLBACK_ADVICE}", stacklevel=3)
         return False
     return True
@@ -433,20 +433,20 @@ def begin(model: torch.nn.Module, micro_batches: Sequence[Any], *, shared: Seque
     if not isinstance(micro_batches, (list, tuple)) or not micro_batches:
         raise PorosConfigError(f"block_major needs the step's micro-batches as a non-empty list, got "
                                f"{type(micro_batches).__name__}")
-    if store.accumulation is not None:
+    if store.residency.accumulation is not None:
         raise PorosConfigError("a block-major step of this model is already running (nested block_major, or one "
                                "left open); end it first")
     for batch in micro_batches:  # every length from one compile (runtime/lengths.py)
         mark_dynamic(batch)
-    store.accumulation = BlockMajorStep(model, store, micro_batches, shared)
-    return store.accumulation
+    store.residency.accumulation = BlockMajorStep(model, store, micro_batches, shared)
+    return store.residency.accumulation
 
 
 def end(model: torch.nn.Module, step: BlockMajorStep, check: bool = True) -> None:
     """End ``step`` (``block_major``'s second half): ``check`` raises if a backward still waits."""
     store = get_store(model)
-    if store is not None and store.accumulation is step:
-        store.accumulation = None
+    if store is not None and store.residency.accumulation is step:
+        store.residency.accumulation = None
     if check:
         step.close()
     else:

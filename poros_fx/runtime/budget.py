@@ -37,7 +37,7 @@ from ..errors import PorosOOMError
 from ..options import AUTO as AUTO_BUDGET
 from ..units import decimal_bytes, parse_size  # noqa: F401  (parse_size: the budget's parser, also imported from here)
 from .arena import nbytes
-from .store import cache_key
+from .residency import cache_key
 
 
 @dataclasses.dataclass
@@ -57,6 +57,23 @@ class ResidencyPlan:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(eq=False)
+class BudgetState:
+    """A prepared model's memory budget: what was asked for, the bytes it came to, the step measuring for
+    it, and the plan made from that measurement (which blocks stay resident)."""
+
+    memory_budget: int | None = None  # bytes the step may use on the device; None: stream all
+    request: int | str | None = None  # what was asked for ("24GB", "auto"): a new request plans anew
+    source: str | None = None  # how "auto" became memory_budget (resolve_budget)
+    measuring: bool = False  # the training step in flight (fully streamed) is measuring its peak for the plan
+    start_allocated: int = 0  # bytes allocated when the step in flight started, less its loads'
+    measuring_size: int = 0  # input elements of the step being measured
+    start_captures: int = 0  # CUDA graphs captured when the step in flight started (runtime/cuda_graphs.py)
+    notes: list[str] = dataclasses.field(default_factory=list)  # the plan's history across re-measurements
+    plan: ResidencyPlan | None = None  # made after the measuring step when there is a budget
+    kept_hosts: set[int] = dataclasses.field(default_factory=set)  # ids of host tensors the plan keeps resident
 
 
 AUTO_MARGIN_FRACTION = 20  # "auto" leaves 1/20 of the device's memory (at least AUTO_MARGIN_MIN) unused
@@ -86,12 +103,12 @@ def plan(store: Any, budget: int, streamed_peak: int, measured_on: str, transien
         raise PorosOOMError(f"memory_budget {decimal_bytes(budget)} is below what the fully streamed step needs: its first step "
                             f"peaked at {decimal_bytes(streamed_peak)} ({measured_on}); the smallest budget that works is "
                             f"{streamed_peak} bytes ({decimal_bytes(streamed_peak)}), or stream with a smaller block_size / prefetch")
-    sizes = store.block_bytes()
+    sizes = store.host.block_bytes()
     keep = _fitting(sizes, budget - streamed_peak)
     kept = sum(sizes[i] for i in keep)
     before = _streamed_bytes(sizes)
     return ResidencyPlan(budget=budget, streamed_peak=streamed_peak, measured_on=measured_on,
-                         resident_blocks=[store.block_names[i] for i in sorted(keep)], resident_bytes=kept,
+                         resident_blocks=[store.host.block_names[i] for i in sorted(keep)], resident_bytes=kept,
                          streamed_bytes_per_step=before - 2 * kept, streamed_bytes_per_step_before=before,
                          transient=streamed_peak if transient is None else transient,
                          predicted_peak=streamed_peak + kept)
@@ -106,7 +123,7 @@ def _streamed_bytes(sizes: list[int]) -> int:
 def _fitting(sizes: list[int], room: int) -> list[int]:
     """Blocks kept in ``room`` bytes: the last block first (the head: the backward's first block), then
     layer blocks spread evenly over the layers. A load waits for the compute stream to reach it (one or
-    two blocks ahead, ``executor.py``), so a run of kept blocks leaves the copy stream idle while it
+    two blocks ahead, ``copies.py``), so a run of kept blocks leaves the copy stream idle while it
     computes; a kept block between streamed ones computes while the next streamed block copies. 72B
     under 24 GB (H200, one call): the last 36 of 80 layers kept, 1.187 s a step; 35 spread, 1.032 s
     (``docs/bench/h200_budget_spread``)."""
@@ -148,12 +165,12 @@ def estimate(sizes: list[int], names: list[str], budget: int, streamed_peak: int
 
 def describe(store: Any) -> str:
     """The budget and, after the first step, its plan, in one line (``poros_fx.report``, the dumps)."""
-    if store.memory_budget is None:
-        return store.budget_source or "no budget: every block streams every step"
-    source = f" ({store.budget_source})" if store.budget_source else ""
-    p = store.plan
+    if store.budget.memory_budget is None:
+        return store.budget.source or "no budget: every block streams every step"
+    source = f" ({store.budget.source})" if store.budget.source else ""
+    p = store.budget.plan
     if p is None:
-        return f"budget {decimal_bytes(store.memory_budget)}{source}: planned after the first (fully streamed) step"
+        return f"budget {decimal_bytes(store.budget.memory_budget)}{source}: planned after the first (fully streamed) step"
     kept = ", ".join(p.resident_blocks) or "none"
     return (f"budget {decimal_bytes(p.budget)}{source}: streamed peak {decimal_bytes(p.streamed_peak)} (the first step's, measured), resident "
             f"{kept} ({decimal_bytes(p.resident_bytes)}), predicted peak {decimal_bytes(p.predicted_peak)}, base copied per forward + "
@@ -172,33 +189,42 @@ def redump(store: Any) -> None:
 def resident_hosts(store: Any, plan: ResidencyPlan) -> set[int]:
     """ids of the host tensors the plan keeps: every entry read by a resident block (a layer's span and
     its member tensors alike)."""
-    keep = {store.block_names.index(name) for name in plan.resident_blocks}
-    return {id(e.host) for e in store.entries.values() if e.blocks and set(e.blocks) <= keep}
+    keep = {store.host.block_names.index(name) for name in plan.resident_blocks}
+    return {id(e.host) for e in store.host.entries.values() if e.blocks and set(e.blocks) <= keep}
 
 
 def _allocated(store: Any) -> int:
     """What counts against the budget now: CUDA's allocated bytes; on the CPU the ledger's base bytes."""
     if store.device.type == "cuda":
         return torch.cuda.memory_allocated(store.device)
-    return store.ledger.resident_bytes
+    return store.residency.ledger.resident_bytes
 
 
 def _load_window(store: Any) -> int:
     """Device bytes allocated between steps that belong to the steps' loads, which a step's transient holds:
     the copies the last backward left for the next forward, and the CUDA graphs' load slots
     (``load_slots.py``) they may lie in. Not part of what stays allocated between steps."""
-    graphs = store.region_graphs if store.device.type == "cuda" else None  # off CUDA the ledger counts, no slots
+    graphs = store.residency.region_graphs if store.device.type == "cuda" else None  # off CUDA the ledger counts, no slots
     if graphs is None:
-        return store.copies_for_forward_bytes()
-    return graphs.load_slots.nbytes() + store.copies_for_forward_bytes(unless=graphs.load_slots.holds)
+        return store.residency.copies_for_forward_bytes()
+    return graphs.load_slots.nbytes() + store.residency.copies_for_forward_bytes(unless=graphs.load_slots.holds)
 
 
 def measures_next(store: Any, size: int) -> bool:
     """Whether the next training forward, on inputs of ``size`` elements, measures a new plan
     (``start_measuring``): the first step under a budget, or one larger than the plan was measured on."""
-    if store.memory_budget is None or store.budget_measuring:
+    if store.budget.memory_budget is None or store.budget.measuring:
         return False
-    return store.plan is None or size > store.plan.measured_size
+    return store.budget.plan is None or size > store.budget.plan.measured_size
+
+
+def before_training_forward(store: Any, size: int) -> None:
+    """Before a streamed training forward whose inputs hold ``size`` elements (times the micro-batches run
+    together): a step that measures a new plan starts without the copies the last backward left for it,
+    then ``start_measuring``."""
+    if measures_next(store, size):  # a measuring step starts with nothing of the last one
+        store.residency.drop_copies_for_forward()
+    start_measuring(store, size)
 
 
 def start_measuring(store: Any, size: int) -> None:
@@ -207,15 +233,15 @@ def start_measuring(store: Any, size: int) -> None:
     sequence: more activations than the plan was made for), runs fully streamed and measures its peak
     (CUDA's peak counter is the process's; this resets it): kept blocks are given back first. A later one
     checks the plan against what is allocated now (``fit``) and starts measuring its own peak."""
-    if store.memory_budget is None or store.budget_measuring:
+    if store.budget.memory_budget is None or store.budget.measuring:
         return
-    p = store.plan
+    p = store.budget.plan
     if p is not None and size > p.measured_size:
-        notes = p.adjustments + [f"at forward run {store.ledger.forward_runs + 1}: a step of {size} input elements, "
+        notes = p.adjustments + [f"at forward run {store.residency.ledger.forward_runs + 1}: a step of {size} input elements, "
                                  f"more than the {p.measured_size} the plan was measured on: its kept blocks were "
                                  "given back and the step measured fully streamed"]
         store.forget_plan()
-        store.budget_notes = notes
+        store.budget.notes = notes
         p = None
     if p is not None:
         # the peak since the last forward started also covers its backward's end and the optimizer step
@@ -224,25 +250,25 @@ def start_measuring(store: Any, size: int) -> None:
         # check saw, and above the budget, is new
         peak, _ = _step_peak(store)
         _give_back_over(store, peak - max(p.last_peak, p.budget), peak,
-                        f"before forward run {store.ledger.forward_runs + 1}: the last step with the optimizer step after it")
+                        f"before forward run {store.residency.ledger.forward_runs + 1}: the last step with the optimizer step after it")
         fit(store)
     else:
-        store.budget_measuring = True
-        store.budget_size = size
-    store.budget_start = _allocated(store) - _load_window(store)
-    store.ledger.start_step()
+        store.budget.measuring = True
+        store.budget.measuring_size = size
+    store.budget.start_allocated = _allocated(store) - _load_window(store)
+    store.residency.ledger.start_step()
     if store.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(store.device)
-    store.budget_captures = store.region_graphs.counters.captures if store.region_graphs is not None else 0
+    store.budget.start_captures = store.residency.region_graphs.counters.captures if store.residency.region_graphs is not None else 0
 
 
 def _step_peak(store: Any) -> tuple[int, str]:
     """The peak since the training forward in flight (or last) started, and how it was measured."""
     if store.device.type != "cuda":
-        return store.ledger.step_peak, "cpu: base bytes on the device (ledger)"
+        return store.residency.ledger.step_peak, "cpu: base bytes on the device (ledger)"
     peak, how = torch.cuda.max_memory_allocated(store.device), "cuda: max_memory_allocated over the step"
-    graphs = store.region_graphs
-    if graphs is not None and graphs.counters.captures == store.budget_captures:
+    graphs = store.residency.region_graphs
+    if graphs is not None and graphs.counters.captures == store.budget.start_captures:
         # replayed CUDA graphs write their pool, which the allocator's counters do not see (a step that
         # recorded allocated its pool's tensors like any other, and max_memory_allocated saw them)
         peak += graphs.pool_bytes()
@@ -253,34 +279,34 @@ def _step_peak(store: Any) -> tuple[int, str]:
 def measure_and_plan(store: Any) -> None:
     """After a training step of a store with a budget: a measuring step makes the plan from its peak; a
     step that ran with a plan and peaked above the budget gives kept blocks back for the next one."""
-    if store.memory_budget is None:
+    if store.budget.memory_budget is None:
         return
     peak, how = _step_peak(store)
-    if store.budget_measuring and store.budget_request == AUTO_BUDGET and store.memory_budget < peak:
+    if store.budget.measuring and store.budget.request == AUTO_BUDGET and store.budget.memory_budget < peak:
         # "auto" never refuses a step that ran: it keeps nothing and says so
-        store.budget_source = (f"{store.budget_source}; {decimal_bytes(store.memory_budget)} is below the streamed "
+        store.budget.source = (f"{store.budget.source}; {decimal_bytes(store.budget.memory_budget)} is below the streamed "
                                f"step's measured peak, so nothing is kept")
-        store.memory_budget = peak
-    if store.budget_measuring:
-        store.plan = plan(store, store.memory_budget, peak, how, transient=peak - store.budget_start)
-        store.plan.measured_size = store.budget_size
-        store.plan.adjustments = store.budget_notes + store.plan.adjustments
-        store.budget_notes = []
-        store.kept_hosts = resident_hosts(store, store.plan)
-        store.budget_measuring = False
-        store.plan.last_peak = peak
+        store.budget.memory_budget = peak
+    if store.budget.measuring:
+        store.budget.plan = plan(store, store.budget.memory_budget, peak, how, transient=peak - store.budget.start_allocated)
+        store.budget.plan.measured_size = store.budget.measuring_size
+        store.budget.plan.adjustments = store.budget.notes + store.budget.plan.adjustments
+        store.budget.notes = []
+        store.budget.kept_hosts = resident_hosts(store, store.budget.plan)
+        store.budget.measuring = False
+        store.budget.plan.last_peak = peak
         redump(store)
         return
-    if store.plan is None:
+    if store.budget.plan is None:
         return
-    store.plan.last_peak = peak
-    _give_back_over(store, peak - store.plan.budget, peak, f"after forward run {store.ledger.forward_runs}: the step")
+    store.budget.plan.last_peak = peak
+    _give_back_over(store, peak - store.budget.plan.budget, peak, f"after forward run {store.residency.ledger.forward_runs}: the step")
 
 
 def _give_back_over(store: Any, over: int, peak: int, what: str) -> None:
     """A step that peaked at ``peak``, ``over`` bytes above the plan's budget (nothing when ``over <= 0``):
     the next step gets that much back (``_keep_within``)."""
-    p = store.plan
+    p = store.budget.plan
     if over <= 0:
         return
     before = p.resident_bytes
@@ -296,19 +322,19 @@ def fit(store: Any) -> None:
     (the optimizer's state, the user's tensors), give kept blocks back (``_keep_within``) until
     ``allocated - kept + transient + kept`` fits the budget; ``PorosOOMError`` if nothing kept is left
     to give and it still does not."""
-    p = store.plan
-    resident = sum(nbytes(t) for t in store.resident_cache.values() if id(t) in store.kept_ids)
+    p = store.budget.plan
+    resident = sum(nbytes(t) for t in store.residency.resident_cache.values() if id(t) in store.residency.kept_ids)
     baseline = _allocated(store) - resident - _load_window(store)
     p.predicted_peak = baseline + p.transient + p.resident_bytes
     if p.predicted_peak <= p.budget:
         return
     given = _keep_within(store, p, p.budget - baseline - p.transient)
     p.predicted_peak = baseline + p.transient + p.resident_bytes
-    if p.predicted_peak > p.budget and store.budget_request == AUTO_BUDGET:
-        p.adjustments.append(f"after forward run {store.ledger.forward_runs}: {decimal_bytes(baseline)} stays allocated "
+    if p.predicted_peak > p.budget and store.budget.request == AUTO_BUDGET:
+        p.adjustments.append(f"after forward run {store.residency.ledger.forward_runs}: {decimal_bytes(baseline)} stays allocated "
                              f"between steps; nothing is kept and the budget 'auto' follows the step "
                              f"({decimal_bytes(p.predicted_peak)})")
-        p.budget = store.memory_budget = p.predicted_peak
+        p.budget = store.budget.memory_budget = p.predicted_peak
     if p.predicted_peak > p.budget:
         smallest = baseline + p.transient
         raise PorosOOMError(f"memory_budget {decimal_bytes(p.budget)} no longer holds the streamed step: {decimal_bytes(baseline)} stays "
@@ -316,8 +342,8 @@ def fit(store: Any) -> None:
                             f"adds {decimal_bytes(p.transient)}; the smallest budget that works now is {smallest} bytes "
                             f"({decimal_bytes(smallest)})")
     if given:
-        p.adjustments.append(f"after forward run {store.ledger.forward_runs}: {decimal_bytes(baseline)} stays allocated between "
-                             f"steps (was {decimal_bytes(store.budget_start)} when the first step started: optimizer state?); "
+        p.adjustments.append(f"after forward run {store.residency.ledger.forward_runs}: {decimal_bytes(baseline)} stays allocated between "
+                             f"steps (was {decimal_bytes(store.budget.start_allocated)} when the first step started: optimizer state?); "
                              f"gave back {len(given)} kept block(s){_listed(given)}")
         redump(store)
 
@@ -327,18 +353,18 @@ def _keep_within(store: Any, p: ResidencyPlan, room: int) -> list[str]:
     (``_fitting``: the head, then spread evenly), so the blocks given back are spread over the layers too:
     giving back the earliest left a run of streamed layers whose copies the compute could not hide (72B
     under 24 GB gave back layers.2..8 after the first step). Returns the names given back."""
-    sizes = store.block_bytes()
-    kept = {store.block_names.index(name) for name in p.resident_blocks}
+    sizes = store.host.block_bytes()
+    kept = {store.host.block_names.index(name) for name in p.resident_blocks}
     among = [n if i in kept else 0 for i, n in enumerate(sizes)]
     keep = set(_fitting(among, room)) if room > 0 else set()
-    given = [name for name in p.resident_blocks if store.block_names.index(name) not in keep]
+    given = [name for name in p.resident_blocks if store.host.block_names.index(name) not in keep]
     for name in given:
-        _release_block(store, store.block_names.index(name))
-    p.resident_blocks = [name for name in p.resident_blocks if store.block_names.index(name) in keep]
+        _release_block(store, store.host.block_names.index(name))
+    p.resident_blocks = [name for name in p.resident_blocks if store.host.block_names.index(name) in keep]
     resident = sum(sizes[i] for i in keep)
     p.streamed_bytes_per_step += 2 * (p.resident_bytes - resident)
     p.resident_bytes = resident
-    store.kept_hosts = resident_hosts(store, p)
+    store.budget.kept_hosts = resident_hosts(store, p)
     return given
 
 
@@ -352,10 +378,10 @@ def _listed(names: list[str], shown: int = 6) -> str:
 
 def _release_block(store: Any, index: int) -> None:
     """Drop the kept device copies of block ``index`` (the next step streams it again)."""
-    for entry in store.entries.values():
+    for entry in store.host.entries.values():
         if entry.blocks and index in entry.blocks:
-            tensor = store.resident_cache.pop(cache_key(entry.host), None)
-            booked = store.kept_ids.pop(id(tensor), None) if tensor is not None else None
+            tensor = store.residency.resident_cache.pop(cache_key(entry.host), None)
+            booked = store.residency.kept_ids.pop(id(tensor), None) if tensor is not None else None
             if booked:
-                store.ledger.on_evict(nbytes(tensor))
+                store.residency.ledger.on_evict(nbytes(tensor))
 

@@ -18,7 +18,7 @@ addresses; a step that finds them taken differently (a new shape, a plan that ch
 whose inputs moved run uncaptured (``fallbacks``), still exact. When every slot of the size is in use a new
 one is made, up to ``MAX_SLOTS``; past that the load is an ordinary allocation.
 
-**Stream order.** A load's copy waits for the compute stream to reach the load (``executor.py``). A slot
+**Stream order.** A load's copy waits for the compute stream to reach the load (``copies.py``). A slot
 is free only when no tensor over it is alive, so every kernel that reads the slot's last block was already
 queued on the compute stream before that point: the copy never overwrites bytes a queued kernel still reads.
 

@@ -38,9 +38,9 @@ A forward graph of two layer blocks (loads and evicts as the residency pass plac
     gather = poros.gather(primals_2, primals_1, cpu)      # per micro-batch (primals_1: its input_ids)
     run_and_save_rng_state = ..._region_r0_forward([gather, ..., load], ...)   # per micro-batch, draws
     getitem = run_and_save_rng_state[0]
-    evict = evict(load)                                   # evict: ends segment 0
+    book_evict = book_evict(load)                         # evict: ends segment 0
     run_and_save_rng_state_1 = ..._region_r0_forward([getitem_1, ..., load_1], ...)
-    evict_1 = evict(load_1)                               # ends segment 1
+    book_evict_1 = book_evict(load_1)                     # ends segment 1
 
 runs as: segment 0: the two loads; gather, region 0 for micro-batch 0, then for micro-batch 1 ...;
 evict. Segment 1: region 1 for micro-batch 0, 1, ...; evict. Segment 0's per-micro-batch part, as
