@@ -31,7 +31,7 @@ SAMPLES = {"block_size": 2, "prefetch": 0, "stream": False, "dump": "graph-dumps
            "chunked_loss": True, "offload_boundaries": True, "save_activations": 1, "cuda_graphs": False,
            "least_memory": True}
 # where prepare() keeps each option it takes, on the model's host store (chunked_loss: on the model)
-STORE_FIELDS = {"block_size": "block_size", "prefetch": "prefetch", "codegen": "codegen",
+STORE_FIELDS = {"block_size": "host.block_size", "prefetch": "prefetch", "codegen": "codegen",
                 "memory_budget": "budget.request", "block_major": "block_major",
                 "offload_boundaries": "offload_boundaries"}
 

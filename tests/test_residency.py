@@ -73,7 +73,7 @@ def test_stream_false_keeps_base_resident():
     step_model = torch.compile(model, backend="poros", options={"stream": False})
     step(model, step_model, demo_batches(2))
     s = poros_fx.stats(model)
-    entries = poros_fx.prepare.__globals__["get_store"](model).tensors()
+    entries = poros_fx.prepare.__globals__["get_store"](model).host.tensors()
     gathered = [e for e in entries if not e.blocks]  # the embedding table: rows are gathered, never loaded
     assert [e.name for e in gathered] == ["model.embed_tokens.weight"]
     # everything but the gathered table, once: each layer as its block (its tensors and the alignment gaps
