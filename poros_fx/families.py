@@ -33,6 +33,9 @@ class Family:
     # modules besides ``embed`` that run before the first layer (Gemma 4's per-layer embedding table,
     # its projection and norm): part of the embed block
     embed_extras: tuple[str, ...] = ()
+    # the decoder layer's feed-forward submodule, applied to each token on its own (sequence_chunks runs it a
+    # token chunk at a time); "" where the layer has none
+    mlp: str = "mlp"
 
     @property
     def layer_attr(self) -> str:
@@ -66,11 +69,12 @@ VALIDATED: types.MappingProxyType[str, Family] = types.MappingProxyType({f.model
 
 
 def user_asserted(model_type: str, *, layers: str = "model.layers", embed: str = "model.embed_tokens",
-                  norm: str = "model.norm", lm_head: str = "lm_head", embed_extras: tuple[str, ...] = ()) -> Family:
+                  norm: str = "model.norm", lm_head: str = "lm_head", embed_extras: tuple[str, ...] = (),
+                  mlp: str = "mlp") -> Family:
     """A family the user vouches for. ``prepare(model, family=user_asserted("mytype"))`` streams it,
     and ``prepare``'s report labels the guarantee ``user_asserted`` (no parity test has run here)."""
     return Family(model_type=model_type, layers=layers, embed=embed, norm=norm, lm_head=lm_head,
-                  status="user_asserted", embed_extras=tuple(embed_extras))
+                  status="user_asserted", embed_extras=tuple(embed_extras), mlp=mlp)
 
 
 def layer_list(model: nn.Module | None) -> str | None:

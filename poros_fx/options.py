@@ -128,6 +128,12 @@ def _check_save_activations(name: str, value: Any) -> None:
                                f"their activations instead of recomputing them), got {value!r}")
 
 
+def _check_sequence_chunks(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise PorosConfigError(f"sequence_chunks must be an integer >= 1 (token chunks each decoder layer's MLP runs "
+                               f"in, recomputed one at a time in the backward; 1: off), got {value!r}")
+
+
 _COMPILE_ONLY = object()  # an option prepare() does not take
 
 
@@ -178,6 +184,10 @@ class PorosOptions:
     offload_boundaries: bool | None = _option(
         None, "the hidden states saved between blocks wait in host memory until the backward needs them "
         "(default False)", _check_optional_bool, prepare=False)
+    sequence_chunks: int | None = _option(
+        None, "each decoder layer's MLP runs in this many token chunks, each recomputed on its own in the backward: "
+        "its activations take 1/K of the memory at long sequences (not the eager loop's kernels; default 1: off; "
+        "docs/exactness.md)", _check_sequence_chunks, prepare=1, same_bits=False)
     save_activations: int = _option(
         0, "the last N decoder-layer blocks keep their activations for the backward instead of recomputing them "
         "(memory for time; the same bits)", _check_save_activations)
@@ -252,10 +262,12 @@ def prepare_settings(options: Mapping[str, Any]) -> dict[str, Any]:
     return {**PREPARE_DEFAULTS, **{k: v for k, v in options.items() if v is not None}}
 
 
-def cuda_graphs_choice(opts: PorosOptions, device: torch.device, offload_boundaries: bool) -> tuple[bool, str]:
+def cuda_graphs_choice(opts: PorosOptions, device: torch.device, offload_boundaries: bool,
+                       sequence_chunks: int = 1) -> tuple[bool, str]:
     """Whether a step's region calls replay from CUDA graphs, and why, in a few words. Asked for where they
     cannot run, ``PorosConfigError``; left to the default, they are on where the step computes on CUDA and
     off where they could not keep the guarantee, with the reason."""
+    chunked = sequence_chunks > 1 and opts.stream
     if opts.cuda_graphs:
         if device.type != "cuda":
             raise PorosConfigError(f"options={{'cuda_graphs': True}} captures CUDA kernels; this model computes on "
@@ -264,6 +276,10 @@ def cuda_graphs_choice(opts: PorosOptions, device: torch.device, offload_boundar
             raise PorosConfigError("options={'cuda_graphs': True} cannot be combined with offload_boundaries (the copy "
                                    "stream reads the saved activations after the step's run, where a replay may "
                                    "write); use one of the two")
+        if chunked:
+            raise PorosConfigError("options={'cuda_graphs': True} cannot be combined with sequence_chunks > 1 (a "
+                                   "chunk's recompute replays its dropout from the generator state read at run "
+                                   "time, which a graph replay does not read again); use one of the two")
         return True, "on (options={'cuda_graphs': True})"
     if opts.cuda_graphs is False:
         return False, "off (options={'cuda_graphs': False})"
@@ -274,4 +290,7 @@ def cuda_graphs_choice(opts: PorosOptions, device: torch.device, offload_boundar
     if offload_boundaries and opts.stream:
         return False, ("off by default with offload_boundaries (the copy stream reads the saved activations after "
                        "a graph's run, where a replay may write)")
+    if chunked:
+        return False, ("off by default with sequence_chunks > 1 (a chunk's recompute replays its dropout from the "
+                       "generator state read at run time)")
     return True, "on by default on CUDA (options={'cuda_graphs': False} or least_memory turns them off)"

@@ -30,12 +30,13 @@ from .adapter_hooks import follow
 from .compiler import ops
 from .compiler.regions import RegionTable, check_no_dora_on_nf4, layer_forward, mode_modules
 from .compiler.regions import state as regions_state
+from .compiler.regions.sequence_chunks import CHUNKS_ATTR, MLP_ATTR
 from .errors import NoBlocksError, PorosConfigError
 from .families import Family, layer_list, resolve
 from .handles import ENTRY_ATTR, STORE_ATTR, causal_lm, check_no_checkpointing, get_store, unwrap
 from .host_modules import (QS_BUFFERS, gathers_here, head_rows, is_linear4bit, poros_class, quant_state_tensors, restore_class,
                            set_quant_state)
-from .options import default_codegen, prepare_settings, resolve_device
+from .options import PorosOptions, default_codegen, prepare_settings, resolve_device
 from .report import report
 from .runtime.arena import HostArena, aligned
 from .runtime.budget import BudgetState, resolve_budget
@@ -110,6 +111,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
     block_size, prefetch, codegen = settings["block_size"], settings["prefetch"], settings["codegen"]
     memory_budget, block_major = settings["memory_budget"], settings["block_major"]
     chunked_loss, offload_boundaries = settings["chunked_loss"], settings["offload_boundaries"]
+    sequence_chunks = settings["sequence_chunks"]
     device = resolve_device(device)
     if hasattr(model, "_orig_mod"):
         raise PorosConfigError("prepare the model before torch.compile: poros_fx.prepare(model) then torch.compile(model, backend='poros')")
@@ -140,7 +142,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
                       host=HostTensors(block_size=block_size, block_names=names),
                       codegen=codegen or default_codegen(device), block_major=block_major,
                       budget=BudgetState(memory_budget=budget, request=memory_budget, source=budget_source),
-                      offload_boundaries=offload_boundaries)
+                      offload_boundaries=offload_boundaries, sequence_chunks=sequence_chunks)
     block_of = module_blocks(fam, len(layers), block_size)
     attention_undo = attention.use(config)  # SDPA as eager calls it, also under torch.compile
     if attention_undo is not None:
@@ -206,6 +208,9 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
         store.undo.append(lambda module=module, original=original: restore_class(module, original))
     if regions:
         _make_regions(store, layers)
+    elif sequence_chunks > 1:
+        raise PorosConfigError(f"sequence_chunks={sequence_chunks} runs each decoder layer's MLP in token chunks "
+                               "inside its region; prepare(..., regions=False) has no regions: leave one of the two out")
     store.undo.append(loss.install(lm, fam.layers.rpartition(".")[0], loss_rows, loss_chunks or (), chunked_loss,
                                    no_training_cache=fam.status == "validated"))
     store.lm_ref = weakref.ref(lm)
@@ -235,6 +240,7 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
         layer._poros_table = store.regions.handle
         layer._poros_layer = index
         layer._poros_device = store.device
+        set_layer_chunks(layer, store.family.mlp, store.sequence_chunks)
         _list_tensors(layer, hosts)
         block = _host_block(store, layer._poros_hosts)
         layer._poros_block = block
@@ -251,7 +257,8 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
             if block is not None:
                 block.__dict__.pop(ENTRY_ATTR, None)
             for attr in ("_poros_table", "_poros_layer", "_poros_own", "_poros_hosts", "_poros_layout", "_poros_block",
-                         "_poros_block_views", "_poros_device", "_poros_modules", "_poros_adapters", "_poros_writes"):
+                         "_poros_block_views", "_poros_device", "_poros_modules", "_poros_adapters", "_poros_writes",
+                         CHUNKS_ATTR, MLP_ATTR):
                 layer.__dict__.pop(attr, None)
 
         store.undo.append(undo)
@@ -428,8 +435,34 @@ def _place_on_device(model: nn.Module, device: torch.device) -> None:
 
 
 def set_trace_options(model: nn.Module, options: dict) -> None:
-    """Apply the options the model's own forward reads while Dynamo traces it (``chunked_loss``) to the
-    prepared ``model``, before it is compiled; the backend checks that they match (``@poros_fx.step``,
-    ``PorosTrainer``, ``poros-fx train`` call this)."""
+    """Apply the options the model's own forward reads while Dynamo traces it (``chunked_loss``) and its
+    regions are traced with (``sequence_chunks``) to the prepared ``model``, before it is compiled; the
+    backend checks that they match (``@poros_fx.step``, ``PorosTrainer``, ``poros-fx train`` call this)."""
     if options.get("chunked_loss") is not None:
         loss.set_chunked_loss(causal_lm(unwrap(model)), options["chunked_loss"])
+    store = get_store(model)
+    chunks = options.get("sequence_chunks")
+    if chunks is not None and store is not None and chunks != store.sequence_chunks:
+        PorosOptions.from_dict({"sequence_chunks": chunks})
+        if store.regions is None and chunks > 1:
+            raise PorosConfigError(f"sequence_chunks={chunks} runs each decoder layer's MLP in token chunks inside its "
+                                   "region; this model was prepared with regions=False")
+        store.sequence_chunks = chunks
+        for layer in causal_lm(unwrap(model)).get_submodule(store.family.layers):
+            set_layer_chunks(layer, store.family.mlp, chunks)
+
+
+def set_layer_chunks(layer: nn.Module, mlp: str, chunks: int) -> None:
+    """Mark a prepared decoder layer for ``sequence_chunks``: its region traces its MLP (the submodule named
+    ``mlp``) in ``chunks`` token chunks. The marks are plain attributes, so they are part of the region's
+    fingerprint; ``chunks=1`` removes them."""
+    if chunks <= 1:
+        layer.__dict__.pop(CHUNKS_ATTR, None)
+        layer.__dict__.pop(MLP_ATTR, None)
+        return
+    if not mlp or not isinstance(layer._modules.get(mlp), nn.Module):
+        raise PorosConfigError(f"sequence_chunks={chunks}: decoder layer {type(layer).__name__} has no MLP submodule "
+                               f"{mlp!r} to run in token chunks (the family's mlp=...; user_asserted(..., mlp='name') "
+                               "names it)")
+    layer.__dict__[CHUNKS_ATTR] = chunks
+    layer.__dict__[MLP_ATTR] = mlp

@@ -75,7 +75,7 @@ def _graphs(store) -> str:
     default for this store."""
     if store.schedules:
         return store.schedules[-1].graphs_note
-    on, note = cuda_graphs_choice(PorosOptions(), store.device, store.offload_boundaries)
+    on, note = cuda_graphs_choice(PorosOptions(), store.device, store.offload_boundaries, store.sequence_chunks)
     return note + " (the step's options may say otherwise)"
 
 

@@ -29,11 +29,11 @@ from poros_fx.prepare import causal_lm
 SAMPLES = {"block_size": 2, "prefetch": 0, "stream": False, "dump": "graph-dumps", "group_copies": False,
            "codegen": "inductor", "turnaround": False, "memory_budget": "1GB", "block_major": False,
            "chunked_loss": True, "offload_boundaries": True, "save_activations": 1, "cuda_graphs": False,
-           "least_memory": True}
+           "least_memory": True, "sequence_chunks": 2}
 # where prepare() keeps each option it takes, on the model's host store (chunked_loss: on the model)
 STORE_FIELDS = {"block_size": "host.block_size", "prefetch": "prefetch", "codegen": "codegen",
                 "memory_budget": "budget.request", "block_major": "block_major",
-                "offload_boundaries": "offload_boundaries"}
+                "offload_boundaries": "offload_boundaries", "sequence_chunks": "sequence_chunks"}
 
 
 def test_every_option_has_a_sample_help_and_check():

@@ -197,6 +197,16 @@ def _check_no_checkpointing(gm: fx.GraphModule) -> None:
                 raise PorosConfigError(CHECKPOINTING_MESSAGE.format(where=" (torch.utils.checkpoint in the captured step)"))
 
 
+def _check_sequence_chunks(opts: PorosOptions, store: HostStore) -> None:
+    """``options={"sequence_chunks": ...}`` must be what the model's regions are traced with (prepare's, or
+    ``prepare.set_trace_options``)."""
+    if opts.sequence_chunks is not None and opts.sequence_chunks != store.sequence_chunks:
+        raise PorosConfigError(f"options={{'sequence_chunks': {opts.sequence_chunks}}}, but this model's regions run "
+                               f"its MLPs in {store.sequence_chunks} chunk(s): set it when the model is prepared "
+                               f"(prepare(..., sequence_chunks={opts.sequence_chunks})), or let @poros_fx.step, "
+                               "PorosTrainer or poros-fx train set it")
+
+
 def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """The backend. ``options``: the streaming options, as ``options.PorosOptions`` declares them."""
     opts = PorosOptions.from_dict(options)
@@ -210,7 +220,7 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
     device = store.device if store else torch.device("cpu")
     offload_boundaries = (opts.offload_boundaries if opts.offload_boundaries is not None
                           else bool(store and store.offload_boundaries))
-    graphs, graphs_note = cuda_graphs_choice(opts, device, offload_boundaries)
+    graphs, graphs_note = cuda_graphs_choice(opts, device, offload_boundaries, store.sequence_chunks if store else 1)
     if store is not None:
         _set_budget(store, None if opts.least_memory else opts.memory_budget, opts.least_memory)
     # on CUDA only: on the CPU a load is a synchronous copy, and a deeper window only raises the peak
@@ -237,6 +247,7 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
     )
     if store is not None:
         _check_chunked_loss(opts, store)
+        _check_sequence_chunks(opts, store)
         if device.type == "cuda" and opts.cuda_graphs is None and not opts.least_memory and not graphs:
             warnings.warn(f"poros: CUDA graphs {graphs_note}", stacklevel=2)  # the default fell back
         if graphs:

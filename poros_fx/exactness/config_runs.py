@@ -179,7 +179,7 @@ def autocast(config: TrainingConfig, device: torch.device) -> contextlib.Abstrac
 # -- the options each surface takes --------------------------------------------------------------------
 
 PREPARE_OPTIONS = ("block_size", "prefetch", "codegen", "memory_budget", "block_major", "chunked_loss",
-                   "offload_boundaries")
+                   "offload_boundaries", "sequence_chunks")
 
 
 def poros_options(config: TrainingConfig, mode: str, base_bytes: int) -> dict[str, Any]:
@@ -468,10 +468,11 @@ def eager_step(config: TrainingConfig, device: torch.device) -> None:
 
 
 def eager_comparable(config: TrainingConfig) -> bool:
-    """Whether the plain eager loop is a reference too: aten regions and HF's own loss, and not the open
-    difference ``known_eager_difference`` names."""
+    """Whether the plain eager loop is a reference too: aten regions, HF's own loss, the MLP on the whole
+    sequence at once, and not the open difference ``known_eager_difference`` names."""
     options = config.option_dict
-    return options.get("codegen") == "eager" and not options.get("chunked_loss") and not known_eager_difference(config)
+    return (options.get("codegen") == "eager" and not options.get("chunked_loss")
+            and options.get("sequence_chunks", 1) == 1 and not known_eager_difference(config))
 
 
 def known_eager_difference(config: TrainingConfig) -> bool:

@@ -4,7 +4,8 @@ One ``TrainingConfig`` is a complete training run a user could write: the family
 widths are not multiples of 8 (hidden, intermediate, head dims, vocabulary; Gemma 4's and Qwen3.5's
 layer patterns), the base (fp32, bf16, NF4 with or without nested quantization state), the adapter
 (rank, alpha, dropout, a subset of targets, DoRA, attached after ``prepare``), the data (a fixed length
-or a new one per step, padded batches with an attention mask, labels with -100, ``num_items_in_batch``),
+or a new one per step, longer ones with ``sequence_chunks``, padded batches with an attention mask,
+labels with -100, ``num_items_in_batch``),
 the surface the user trains through, accumulation (block-major or not), clipping, mode toggles and an
 in-place edit of an adapter weight between steps, a resume mid-run, every poros option, and the
 process's numeric modes. ``configs(device)`` is the Hypothesis strategy; ``exactness/config_runs.py`` runs one
@@ -166,9 +167,13 @@ def configs(draw: st.DrawFn, device: str = "cpu") -> TrainingConfig:
     steps = draw(st.sampled_from([2, 2, 3]))
     batch = draw(st.integers(1, 3))
     fixed = draw(st.booleans())
-    length = draw(st.integers(3, 23))
+    # sequence_chunks: each layer's MLP in token chunks, drawn with longer sequences (at most 48 tokens here)
+    chunks = draw(st.integers(2, 4)) if draw(st.integers(0, 3)) == 0 else 1
+    shortest, longest = (3, 23) if chunks == 1 else (chunks + 8, 48)
+    length = draw(st.integers(shortest, longest))
     lengths = tuple([length] * (steps * accumulate) if fixed else
-                    draw(st.lists(st.integers(3, 23), min_size=steps * accumulate, max_size=steps * accumulate)))
+                    draw(st.lists(st.integers(shortest, longest), min_size=steps * accumulate,
+                                  max_size=steps * accumulate)))
     data = Data(batch=batch, lengths=lengths, padding=draw(st.sampled_from(["none", "right", "left"])) if batch > 1
                 else "none", ignored=draw(st.booleans()), num_items=draw(st.booleans()), seed=draw(st.integers(0, 99)))
     codegen = draw(st.sampled_from(["eager"] * 5 + ["inductor"] if device == "cpu" else ["eager", "inductor"]))
@@ -183,6 +188,8 @@ def configs(draw: st.DrawFn, device: str = "cpu") -> TrainingConfig:
         options["chunked_loss"] = True
     if draw(st.integers(0, 3)) == 0:
         options["offload_boundaries"] = True
+    if chunks > 1:
+        options["sequence_chunks"] = chunks
     if device == "cuda":
         options["cuda_graphs"] = draw(st.booleans())
     base = draw(st.sampled_from(BASES))

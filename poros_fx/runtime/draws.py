@@ -222,13 +222,23 @@ def inductor_seeds(count: int, device: torch.device) -> Draw:
 
 
 def graph_draws(gm: fx.GraphModule) -> list[Draw | Unreplayable]:
-    """Every random op of ``gm``, in order, as a replay; random ops inside its subgraphs make it
-    ``Unreplayable``."""
+    """Every random op of ``gm``, in order, as a replay (one that ``run_and_save_rng_state`` wraps too);
+    random ops inside its subgraphs make it ``Unreplayable``."""
     nested = nested_random(gm)
     if nested:
         return [Unreplayable(f"random op {nested[0]} inside a higher-order op's subgraph (a torch.cond branch: "
                              "attention dropout on a padded batch?)")]
-    return [node_draw(n) for n in random_nodes(gm.graph)]
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target is torch._prims.rng_prims.run_and_save_rng_state and is_random(n.args[0]):
+            # a random op whose result a backward recomputes from the state saved here (sequence_chunks)
+            val = n.meta.get("val")
+            out.append(op_draw(n.args[0], n.args[1:], dict(n.kwargs), val[1] if isinstance(val, tuple) else None))
+        elif is_random(n.target):
+            out.append(node_draw(n))
+    return out
 
 
 def replay(draws: Sequence[Draw | Unreplayable | Callable[[], None]]) -> None:

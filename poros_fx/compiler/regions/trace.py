@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 import time
 from typing import Any, Callable, Iterator, Sequence
 
@@ -34,6 +35,7 @@ from ..graph_metadata import forget_module_classes
 from ..ops import LOAD
 from .call import rebuild_call, state_mapping
 from .key import autocast_of, state_names
+from .sequence_chunks import chunked_layer, static_rng_states, tag_recompute
 from .shapes import Expressions, Signature, TensorMeta, TensorSpec, new_env, read, read_plan, trace_inputs
 
 logger = logging.getLogger("poros_fx")
@@ -300,7 +302,7 @@ def _trace(layer: nn.Module, call: str, grads: str, metas: list[TensorMeta], ind
         carried = state_mapping(args, kwargs)
         before = dict(carried) if carried is not None else {}
         with torch.nn.utils.stateless._reparametrize_module(layer, state):
-            out = layer_class.forward(layer, *args, **kwargs)
+            out = layer_class.forward(chunked_layer(layer), *args, **kwargs)
         if not isinstance(out, torch.Tensor):
             raise PorosConfigError(f"decoder layer {type(layer).__name__} returned {type(out).__name__}; a region "
                                    "takes layers that return their hidden states as one tensor (transformers 5)")
@@ -361,9 +363,12 @@ def _capture(fn: Callable, inputs: list[torch.Tensor]) -> tuple[Any, fx.GraphMod
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         _strip_loads(joint)
+        tag_recompute(joint)
         graphs["joint"] = joint
-        with functorch_config.patch(cse=False):
+        # a recomputed dropout saves its generator state as a tensor (graph-safe states would be new inputs)
+        with functorch_config.patch(cse=False, graphsafe_rng_functionalization=False):
             fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        static_rng_states(fw, bw)
         graphs["backward"] = bw
         return fw, bw
 
@@ -417,6 +422,11 @@ def _region_from_partition(index: int, joint: fx.GraphModule, fw: fx.GraphModule
     fw.graph.lint()
     fw.recompile()
     saved_index = {o.name: j for j, o in enumerate(kept[num_outputs:])}
+    # a dropout the partitioner recomputes (sequence_chunks) saves its random state; the backward's input
+    # for the k-th is named rng_state_output_k
+    states = [o for o in kept[num_outputs:] if o.target is operator.getitem and o.args[1] == 0
+              and getattr(o.args[0], "target", None) is torch._prims.rng_prims.run_and_save_rng_state]
+    saved_index.update({f"rng_state_output_{k}": saved_index[o.name] for k, o in enumerate(states)})
     sources = packing.sources
     placeholders = list(bw.graph.find_nodes(op="placeholder"))
     needed = sorted({packing.block_index if not isinstance(sources[primals[p.name]], int) else sources[primals[p.name]]

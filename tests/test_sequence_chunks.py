@@ -1,0 +1,107 @@
+"""sequence_chunks: each decoder layer's MLP runs in K token chunks, each recomputed on its own in the
+backward. Streamed == stream=False bit for bit (two independent runs, every step, with LoRA dropout);
+the region then saves the MLP's input instead of its intermediates; the settings it cannot keep exact
+with are refused before the first step."""
+
+import pytest
+import torch
+
+import poros_fx
+from poros_fx.compiler.regions import table as region_tables
+from poros_fx.errors import PorosConfigError
+from poros_fx.exactness.parity import compare, format_diffs, train
+from poros_fx.handles import get_store
+from poros_fx.models.tiny import demo_batches, tiny_lora_model
+
+STEPS = 4
+ZERO = {"loss": 0.0, "weights": 0.0, "grad_norms": 0.0, "optimizer": 0.0}
+
+
+def run(mode, family, nf4, chunks, accumulate, seq, dropout=0.1, **cfg):
+    model = tiny_lora_model(family, nf4=nf4, dropout=dropout, **cfg)
+    step_model = model
+    if mode != "eager":
+        poros_fx.prepare(model, device="cpu", sequence_chunks=chunks)
+        step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
+    batches = demo_batches(STEPS * accumulate, vocab=256, seq=seq, batch=2, seed=3)
+    return train(model, step_model, batches, accumulate=accumulate, block_major=mode == "stream"), model
+
+
+CASES = [
+    # family,        nf4,   chunks, accumulate, seq (odd lengths: chunks of unequal sizes)
+    ("qwen2", False, 3, 1, 25),
+    ("llama", True, 2, 2, 24),
+    ("phi3", False, 2, 1, 21),
+]
+
+
+@pytest.mark.parametrize("family,nf4,chunks,accumulate,seq", CASES, ids=[f"{c[0]}-k{c[2]}" for c in CASES])
+def test_streamed_equals_resident_with_chunks(family, nf4, chunks, accumulate, seq):
+    streamed, model = run("stream", family, nf4, chunks, accumulate, seq)
+    resident, _ = run("resident", family, nf4, chunks, accumulate, seq)
+    assert len(streamed.weights) == STEPS
+    diffs = compare(streamed, resident)
+    assert diffs == ZERO, format_diffs("streamed vs stream=False (sequence_chunks)", diffs)
+    assert get_store(model).sequence_chunks == chunks
+
+
+def test_without_dropout_chunks_differ_from_eager_only_in_rounding():
+    """No dropout: the chunked MLP computes the same function as the eager loop's (the losses of the
+    first step agree bit for bit here; the weights only up to the matmuls' summation order)."""
+    chunked, _ = run("stream", "qwen2", False, 3, 1, 25, dropout=0.0)
+    eager, _ = run("eager", "qwen2", False, 3, 1, 25, dropout=0.0)
+    assert torch.equal(chunked.losses[0], eager.losses[0])
+    diffs = compare(chunked, eager)
+    assert 0 < diffs["weights"] < 1e-4, diffs
+
+
+def _saved_elements(model) -> int:
+    """Elements a layer's region saves for its backward (beyond its outputs), at the traced sizes."""
+    table = region_tables._TABLES[get_store(model).regions.handle]
+    regions = [r for rs in table.by_key.values() for r in rs if r.backward is not None]
+    fw = regions[0].forward
+    outs = list(next(iter(fw.graph.find_nodes(op="output"))).args[0])[regions[0].num_outputs:]
+    total = 0
+    for node in outs:
+        val = node.meta["val"]
+        total += int(torch.Size([int(s) if not isinstance(s, torch.SymInt) else s.node.hint for s in val.shape]).numel())
+    return total
+
+
+def test_chunks_save_the_mlp_input_not_its_intermediates():
+    """The intermediates (tokens x intermediate each) are recomputed, not saved: with a wide MLP the
+    chunked region saves less than half of what the unchunked one saves."""
+    sizes = {}
+    for chunks in (1, 4):
+        torch._dynamo.reset()
+        model = tiny_lora_model("llama", dropout=0.0, layers=1, intermediate=256)
+        poros_fx.prepare(model, device="cpu", sequence_chunks=chunks)
+        torch.compile(model, backend="poros")(**demo_batches(1, vocab=256, seq=16)[0]).loss.backward()
+        sizes[chunks] = _saved_elements(model)
+    assert sizes[4] < sizes[1] / 2, sizes
+
+
+def test_settings_that_cannot_run_chunks_are_refused():
+    with pytest.raises(PorosConfigError, match="sequence_chunks must be an integer >= 1"):
+        poros_fx.prepare(tiny_lora_model("qwen2"), device="cpu", sequence_chunks=0)
+    with pytest.raises(PorosConfigError, match=r"regions=False\) has no regions"):
+        poros_fx.prepare(tiny_lora_model("qwen2"), device="cpu", sequence_chunks=2, regions=False)
+    model = tiny_lora_model("qwen2")
+    poros_fx.prepare(model, device="cpu")
+    compiled = torch.compile(model, backend="poros", options={"sequence_chunks": 2})
+    batch = demo_batches(1, vocab=256, seq=8)[0]
+    with pytest.raises(Exception, match="set it when the model is prepared"):
+        compiled(**batch)
+
+
+def test_step_sets_the_chunks_of_a_prepared_model():
+    model = tiny_lora_model("qwen2", layers=1)
+    poros_fx.prepare(model, device="cpu")
+
+    @poros_fx.step(sequence_chunks=3)
+    def train_step(model, batch):
+        return model(**batch).loss
+
+    train_step(model, demo_batches(1, vocab=256, seq=9)[0]).backward()
+    assert get_store(model).sequence_chunks == 3
+    assert all(layer.__dict__["_poros_sequence_chunks"] == 3 for layer in model.base_model.model.model.layers)
