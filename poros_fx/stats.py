@@ -40,6 +40,8 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
     place had moved (``rerecorded``), the pool's bytes, and ``load_slots``: the fixed
     buffers streamed layer blocks land in so the graphs read them in place, their bytes, the loads into them
     and those that found every slot in use: ``runtime/cuda_graphs.py``, ``runtime/load_slots.py``),
+    ``offload_arena`` (``offload_boundaries`` on CUDA: the page-locked buffer's bytes, how many were
+    allocated, and the bytes of the current round that did not fit it: ``runtime/offload.py``),
     ``compile`` (host seconds of the one-time work, summed over the graphs compiled so far: ``graphs``,
     ``joint_trace_s`` (AOTAutograd up to the partition),
     ``partition_s``, ``forward_passes_s`` / ``backward_passes_s`` (our passes and each graph's codegen),
@@ -63,6 +65,8 @@ def stats(model: nn.Module, *, reset: bool = False) -> dict[str, Any]:
                cuda_graphs=store.residency.region_graphs.as_dict() if store.residency.region_graphs is not None else None,
                cuda_graphs_choice=store.schedules[-1].graphs_note if store.schedules else None,
                budget_source=store.budget.source,
+               offload_arena={"bytes": store.offload_arena.capacity, "allocations": store.offload_arena.allocations,
+                              "overflow_bytes": store.offload_arena.overflow_bytes},
                compile=_compile_seconds(store))
     if reset:
         ledger.reset()

@@ -24,10 +24,10 @@ VOCAB, CHUNKS = 1024, 3
 LENGTHS = (96, 96, 200, 200)  # one length per optimizer step (block-major runs a step's micro-batches together)
 
 
-def _batches() -> list[dict]:
+def _batches(lengths=LENGTHS) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
-    for length in LENGTHS:
+    for length in lengths:
         ids = torch.randint(0, VOCAB, (2, length), generator=g).cuda()
         out.append({"input_ids": ids, "labels": ids.clone()})
     return out
@@ -62,6 +62,49 @@ def test_gpu_chunked_loss_offloaded_boundaries_exact(nf4, codegen, deterministic
     assert compare(streamed, resident) == EQUAL, format_diffs(f"long {codegen}", compare(streamed, resident))
     stats = poros_fx.stats(model)
     assert stats["offloads"] > 0 and stats["eager_loads"] == 0
+    # the second optimizer step (longer) had its predecessor's page-locked buffer, and outgrew it
+    assert stats["offload_arena"]["allocations"] == 1, stats["offload_arena"]
     if codegen == "eager":
         eager, _ = _run("eager", nf4, codegen)
         assert compare(streamed, eager) == EQUAL, format_diffs("long vs eager chunked", compare(streamed, eager))
+
+
+def _run_chunks(mode: str, nf4: bool, codegen: str):
+    torch._dynamo.reset()
+    config = tiny_config("qwen2", layers=4, hidden=256, heads=4, kv_heads=2, vocab=VOCAB, intermediate=1376)
+    model = lora_model(config, dtype=torch.bfloat16, nf4=nf4, dropout=0.1, device="cuda")
+    poros_fx.prepare(model, device="cuda", codegen=codegen, sequence_chunks=4, chunked_loss=True,
+                     offload_boundaries=mode == "streamed")
+    compiled = torch.compile(model, backend="poros", options={"stream": mode == "streamed"})
+    result = train(model, lambda **b: compiled(**poros_fx.mark_dynamic(b)), _batches(), accumulate=2,
+                   block_major=mode == "streamed")
+    return result, model
+
+
+@pytest.mark.parametrize("codegen", ["inductor", "eager"])
+@pytest.mark.parametrize("nf4", [False, True], ids=["bf16", "nf4"])
+def test_gpu_sequence_chunks_exact(nf4, codegen, deterministic):
+    """Each layer's MLP in 4 token chunks (their dropout replayed from the CUDA generator's saved state),
+    with the chunked loss, offloaded boundaries and block-major accumulation."""
+    streamed, model = _run_chunks("streamed", nf4, codegen)
+    resident, _ = _run_chunks("resident", nf4, codegen)
+    assert compare(streamed, resident) == EQUAL, format_diffs(f"chunks {codegen}", compare(streamed, resident))
+    assert poros_fx.stats(model)["offloads"] > 0
+
+
+def test_gpu_offload_reuses_one_page_locked_buffer():
+    """Steps of one length: the first measures what a step offloads, every later one copies into one
+    buffer of that size, and what the backward reads from it is what the forward wrote (== stream=False)."""
+    def run(mode):
+        torch._dynamo.reset()
+        config = tiny_config("qwen2", layers=4, hidden=256, heads=4, kv_heads=2, vocab=VOCAB, intermediate=1376)
+        model = lora_model(config, dtype=torch.bfloat16, nf4=False, dropout=0.1, device="cuda")
+        poros_fx.prepare(model, device="cuda", offload_boundaries=mode == "streamed")
+        compiled = torch.compile(model, backend="poros", options={"stream": mode == "streamed"})
+        return train(model, compiled, _batches((128,) * 4)), model
+
+    streamed, model = run("streamed")
+    resident, _ = run("resident")
+    assert compare(streamed, resident) == EQUAL, format_diffs("offload arena", compare(streamed, resident))
+    arena = poros_fx.stats(model)["offload_arena"]
+    assert arena["allocations"] == 1 and arena["overflow_bytes"] == 0 and arena["bytes"] > 0, arena

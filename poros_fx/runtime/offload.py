@@ -3,6 +3,14 @@
 ``offload`` copies a saved boundary activation to the host (page-locked, on the copy stream, on CUDA)
 and ``reload`` copies it back before the backward reads it; the reload's copy joins the pending copies
 that ``DeviceCopies.wait`` makes the compute stream wait for.
+
+On CUDA the host copies are slices of one page-locked buffer (``OffloadArena``), reused step after
+step: once every slice handed out since the last reuse has been let go (the backward read them, or
+the graph's outputs were dropped), the next offload starts again at its beginning. Its size is the
+most one such round ever took; a round that outgrows it takes the rest from torch's pinned caching
+allocator (which rounds each request up to a power of two) and the next round gets a buffer of the
+new size. All copies into and out of it run on the one copy stream, in order, so a new round's
+device-to-host copy cannot overtake the last round's host-to-device reload of the same bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +20,50 @@ from typing import Any
 
 import torch
 
-from .arena import nbytes
+from .arena import aligned, nbytes
+
+
+class OffloadArena:
+    """One page-locked host buffer the offloaded boundaries of a round of steps are slices of."""
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.used = 0  # bytes handed out in this round
+        self.round_bytes = 0  # what this round asked for, in the buffer or not
+        self.most_bytes = 0  # the most one round asked for
+        self.allocations = 0  # buffers allocated
+        self.overflow_bytes = 0  # bytes of the current round taken from torch's caching allocator
+        self._live: list[weakref.ref] = []
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised page-locked host tensor of ``like``'s sizes, strides and dtype."""
+        if not any(ref() is not None for ref in self._live):
+            self._new_round()
+        size = aligned(nbytes(like))
+        self.round_bytes += size
+        self.most_bytes = max(self.most_bytes, self.round_bytes)
+        span = max((s - 1) * st for s, st in zip(like.shape, like.stride())) + 1 if like.numel() else 0
+        if self.buffer is None or self.used + size > self.buffer.numel():
+            self.overflow_bytes += size
+            host = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, pin_memory=True)
+        else:
+            raw = self.buffer[self.used:self.used + size]
+            self.used += size
+            host = raw.view(like.dtype)[:span].as_strided(like.shape, like.stride())
+        self._live.append(weakref.ref(host))  # the round ends when all of them are let go
+        return host
+
+    def _new_round(self) -> None:
+        self._live.clear()
+        self.used = self.round_bytes = self.overflow_bytes = 0
+        if self.most_bytes and (self.buffer is None or self.buffer.numel() < self.most_bytes):
+            self.buffer = None  # the old one goes back before the larger one is page-locked
+            self.buffer = torch.empty(self.most_bytes, dtype=torch.uint8, pin_memory=True)
+            self.allocations += 1
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
 
 
 class BoundaryOffload:
@@ -24,10 +75,11 @@ class BoundaryOffload:
     def offload(self, saved: torch.Tensor) -> torch.Tensor:
         """A host copy of ``saved``, a boundary activation the backward reads (``passes/offload.py``): on
         CUDA a page-locked tensor filled by the copy stream once the compute stream has made ``saved``
-        (the device memory is not reused before the copy read it); on the CPU a separate tensor."""
+        (the device memory is not reused before the copy read it), a slice of the store's ``OffloadArena``;
+        on the CPU a separate tensor."""
         store = self.store
         if saved.device.type == "cuda":
-            host = torch.empty_strided(saved.shape, saved.stride(), dtype=saved.dtype, pin_memory=True)
+            host = store.offload_arena.take(saved)
             copy_stream = store.copy_stream()
             copy_stream.wait_event(torch.cuda.current_stream(saved.device).record_event())
             with torch.cuda.stream(copy_stream):

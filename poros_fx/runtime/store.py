@@ -22,6 +22,7 @@ from ..units import gib
 from .arena import nbytes
 from .budget import BudgetState
 from .host_tensors import HostTensors
+from .offload import OffloadArena
 from .residency import Residency
 
 # schedules a store keeps (the most recent): one per graph the backend compiled, which grows only with
@@ -53,6 +54,7 @@ class HostStore:
     offload_boundaries: bool = False  # the saved block outputs wait in host memory (options={"offload_boundaries": ...} wins)
     offloaded: collections.deque[Any] = dataclasses.field(  # weak refs to the last steps' host copies of them
         default_factory=lambda: collections.deque(maxlen=4096))
+    offload_arena: OffloadArena = dataclasses.field(default_factory=OffloadArena)  # their page-locked host memory (CUDA)
     lm_ref: Any = None  # weakref to the prepared *ForCausalLM module (its chunked-loss flag, loss.py)
     sequence_chunks: int = 1  # token chunks of each decoder layer's MLP in its region (compiler/regions/sequence_chunks.py)
     block_major: bool = True  # accumulation steps run block-major (prepare's; options={"block_major": ...} wins)
