@@ -7,7 +7,8 @@ An inference graph (no grad: AOTAutograd compiles a forward only, with no joint 
 through ``INFERENCE_PASSES``. ``lower_regions`` runs ``REGION_PASSES`` once on each region's own
 forward and backward graphs (a decoder layer, ``poros_fx/compiler/regions/``) before compiling it
 (the 4-bit matmul lowering; with the eager codegen, views that real kernels' strides may refuse become
-reshapes, and dropout's gradient on the CPU is eager's ``grad * noise``). ``capture_regions`` comes
+reshapes, and dropout's gradient on the CPU is eager's ``grad * noise``; with Inductor a convolution's
+backward is one opaque call, so it holds for every length). ``capture_regions`` comes
 last: with ``options={"cuda_graphs": True}`` the region calls go
 through CUDA graphs (``poros_fx/runtime/cuda_graphs.py``).
 After every pass the dump hook (``poros_fx.compiler.dump``) writes the graph when dumping is on.
@@ -22,6 +23,7 @@ from .lower_matmul_4bit import lower_matmul_4bit
 from .lower_regions import lower_regions
 from .lower_rng import lower_rng
 from .offload import offload
+from .opaque_convolution_backward import opaque_convolution_backward
 from .prefetch import prefetch
 from .recompute import recompute
 from .reshape_views import reshape_views
@@ -31,8 +33,8 @@ from .rng import rng
 JOINT_PASSES = (block_partition, recompute)
 INFERENCE_PASSES = (block_partition,)
 GRAPH_PASSES = (lower_matmul_4bit, rng, lower_rng, lower_regions, prefetch, residency, offload, capture_regions)
-REGION_PASSES = (lower_matmul_4bit, reshape_views, cpu_dropout_backward)
+REGION_PASSES = (lower_matmul_4bit, reshape_views, cpu_dropout_backward, opaque_convolution_backward)
 
 __all__ = ["GRAPH_PASSES", "INFERENCE_PASSES", "JOINT_PASSES", "REGION_PASSES", "block_partition", "capture_regions",
            "cpu_dropout_backward", "lower_matmul_4bit",
-           "lower_regions", "lower_rng", "offload", "prefetch", "recompute", "reshape_views", "residency", "rng"]
+           "lower_regions", "lower_rng", "offload", "opaque_convolution_backward", "prefetch", "recompute", "reshape_views", "residency", "rng"]

@@ -31,6 +31,7 @@ import torch.fx as fx
 
 from poros_fx.compiler.regions import REGION, REGION_BACKWARD, ROLE, compile_for, runners, table_of
 from poros_fx.compiler.schedule import RegionUse, Schedule
+from poros_fx.errors import PorosConfigError
 from poros_fx.runtime.draws import REGION_DRAWS, CalledDraws
 
 from .block_partition import BLOCK
@@ -71,6 +72,10 @@ def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
                     graph.recompile()
             region.lowered.add(schedule.codegen)
         compile_for(region, schedule.codegen)
+        if op is REGION and region.signature.bind([_val(x) for x in inputs]) is None:
+            raise PorosConfigError(
+                f"poros: compiling region {region.name} ({schedule.codegen}) fixed sizes this call does not have "
+                f"({region.signature.describe()}); use codegen='eager' for this model, or one sequence length")
         forward, backward = runners(region, schedule.codegen)
         runner = forward if op is REGION else backward
         n.meta[RUNNER] = (runner, None if slot < 0 else n.target, slot)

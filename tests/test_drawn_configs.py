@@ -91,3 +91,24 @@ def test_accumulated_lora_on_gated_deltanet_qkv_equals_the_eager_loop() -> None:
     eager, _ = train_once(config, "eager", torch.device("cpu"))
     diffs = compare(resident, eager)
     assert all(v == 0.0 for v in diffs.values()), diffs
+
+
+# Found by the generator (CI's shard 3): Inductor's lowering of the Gated DeltaNet conv1d's backward fixed the
+# sequence length the region was first compiled at, and the next micro-batch's length ran that code.
+DELTANET_INDUCTOR_LENGTHS = (
+    "TrainingConfig(shape=Shape(family='qwen3_5_text', layers=2, heads=3, kv_heads=1, head_dim=10, intermediate=69, "
+    "vocab=71, config=(('layer_types', ('full_attention', 'linear_attention')),)), base='nf4', rank=3, alpha=16, "
+    "dropout=0.0, targets=('in_proj_qkv', 'q_proj'), dora=False, attach_after_prepare=False, "
+    "data=Data(batch=1, lengths=(4, 12), padding='none', ignored=False, num_items=True, seed=66), surface='step', "
+    "accumulate=2, steps=1, block_major=False, clip=None, toggles=(), edit_adapter=False, resume_at=None, "
+    "options=(('codegen', 'inductor'),), deterministic=True, tf32=False, autocast=False, fast_sdpa=False, seed=782)")
+
+
+def test_gated_deltanet_under_inductor_takes_every_length_from_one_compile(caplog) -> None:
+    config = eval(DELTANET_INDUCTOR_LENGTHS, {"TrainingConfig": TrainingConfig, "Shape": Shape, "Data": Data})
+    with caplog.at_level("INFO", logger="poros_fx"):
+        outcome = check(config, "cpu")
+    assert outcome.holds, outcome
+    traced = [r.getMessage() for r in caplog.records if "traced region" in r.getMessage()]
+    assert len(traced) == 2, traced  # one region per layer structure, for both lengths
+    assert not [r for r in caplog.records if "compiled region" in r.getMessage() and r.levelname == "WARNING"]

@@ -285,3 +285,27 @@ def test_mode_guards_only_modules_whose_forward_can_read_their_mode():
     assert len(list(layer.modules())) == 83 and len(modules) == 20 and len(adapters) == 7
     assert kinds == ["Dropout", "Linear", "Qwen2Attention", "Qwen2DecoderLayer", "Qwen2MLP", "Qwen2RMSNorm", "SiLUActivation"]
     assert all(type(m).__module__.startswith("peft") for m in modules if type(m).__name__ == "Linear")
+
+
+def test_a_size_a_compile_fixed_narrows_what_the_region_takes() -> None:
+    """What Inductor assumes while compiling a region (a guard, a size it specializes) becomes part of the
+    region's signature: a call of another size no longer binds it, so the outer graph traces another."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from poros_fx.compiler.regions.compile import compile_conditions
+    from poros_fx.compiler.regions.shapes import Signature, new_env, trace_inputs
+
+    mode = FakeTensorMode(shape_env=new_env())
+    env = mode.shape_env
+    (x,) = trace_inputs(mode, [((2, 9, 4), (36, 4, 1), torch.float32, torch.device("cpu"))], [True])
+    signature = Signature(env, [x])
+    assert signature.bind([torch.empty(2, 13, 4)]) is not None
+    guards_before, replacements_before = len(env.guards), dict(env.replacements)
+    length = x.shape[1]
+    symbol = length.node.expr
+    assert int(length) == 9  # what a lowering that needs the value does: the size is fixed from now on
+    conditions = compile_conditions(env, guards_before, replacements_before)
+    assert [str(c) for c in conditions] == [f"Eq({symbol}, 9)"]
+    assert signature.restrict(conditions) and not signature.restrict(conditions)
+    assert signature.bind([torch.empty(2, 13, 4)]) is None
+    assert signature.bind([torch.empty(2, 9, 4)]) is not None

@@ -68,17 +68,35 @@ def compile_region(region: Region, codegen: str, draws_of: Callable[[fx.GraphMod
         compiled = (_boxed(region.forward), _boxed(region.backward) if region.backward is not None else None)
         draws = draws_of(region.forward)
     elif codegen == "inductor":
+        env = region.mode.shape_env
+        guards_before, replacements_before = len(env.guards), dict(env.replacements)
         fw, draws = _inductor(region, region.forward, draws_of, is_backward=False, inference=region.backward is None)
         bw = None
         if region.backward is not None:
             bw, _ = _inductor(region, region.backward, draws_of, is_backward=True, inference=False)
         compiled = (fw, bw)
+        conditions = compile_conditions(env, guards_before, replacements_before)
+        fixed = [c for c in conditions if isinstance(c, sympy.Eq) and c.lhs.is_Symbol and c.rhs.is_number]
+        if region.signature.restrict(conditions) and fixed:
+            logger.warning("poros: Inductor compiled region %s for %s only: each other size traces and compiles "
+                           "the layer, and the step, again", region.name, ", ".join(map(str, fixed)))
     else:
         raise PorosConfigError(f"codegen must be one of {CODEGENS}, got {codegen!r}")
     region.compiled[codegen] = compiled
     region.draws[codegen] = draws
     region.compile_seconds[codegen] = time.perf_counter() - started
     logger.info("poros: compiled region %s (%s) in %.1f s", region.name, codegen, region.compile_seconds[codegen])
+
+
+def compile_conditions(env: Any, guards_before: int, replacements_before: dict) -> list[sympy.Expr]:
+    """What a compile assumed about the region's sizes: the guards it added to the region's ShapeEnv
+    and the sizes it specialized (Inductor's convolution backward fixes its strides, and with them the
+    sequence length of Qwen3.5's Gated DeltaNet). The compiled code holds only for such sizes, so the
+    region's signature takes these conditions, and the outer graph that binds it guards on them."""
+    aliases = {s: e for s, e in replacements_before.items() if not e.is_number}  # the trace's unifications
+    conditions = [sympy.sympify(g.expr).xreplace(aliases) for g in env.guards[guards_before:]]
+    conditions += [sympy.Eq(s, e) for s, e in env.replacements.items() if replacements_before.get(s) != e]
+    return list(dict.fromkeys(c for c in conditions if c is not sympy.true and c.free_symbols))
 
 
 def _boxed(gm: fx.GraphModule) -> Callable:

@@ -195,6 +195,19 @@ class Signature:
     def dynamic(self) -> bool:
         return bool(self.symbols)
 
+    def restrict(self, conditions: Sequence[sympy.Expr]) -> bool:
+        """Take only calls whose sizes also meet ``conditions`` (expressions of ``symbols``): what a
+        compile of the region assumed about its sizes (Inductor may specialize a size it lowers).
+        Whether that narrowed what the region takes."""
+        foreign = set().union(*(c.free_symbols for c in conditions)) - set(self.symbols)
+        if foreign:
+            raise ValueError(f"conditions on {sorted(map(str, foreign))}, which are no input's size")
+        known = self.guards.exprs if self.guards is not None else ()
+        added = [c for c in conditions if c not in known]
+        if added:
+            self.guards = Expressions(self.symbols, (*known, *added))
+        return bool(added)
+
     def bind(self, tensors: Sequence[Any]) -> tuple | None:
         """The symbols' values for a call on ``tensors`` (the graph inputs: fake or real tensors), or
         ``None`` when the region does not take them. With Dynamo's symbolic sizes each comparison
