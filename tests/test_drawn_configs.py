@@ -22,7 +22,7 @@ from poros_fx.exactness.parity import compare
 from poros_fx.exactness.training_configs import Data, Shape, TrainingConfig, configs
 
 SHARDS = 8  # pytest-xdist spreads the shards over its workers
-EXAMPLES_PER_SHARD = 5
+EXAMPLES_PER_SHARD = 3
 
 
 @pytest.mark.parametrize("shard", range(SHARDS))

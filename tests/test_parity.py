@@ -27,17 +27,13 @@ def run(mode, family, dtype, nf4, accumulate, block_size, prefetch, **cfg):
     return train(model, step_model, batches, accumulate=accumulate, block_major=mode == "stream"), model
 
 
+# fixed reference points; the generator (test_drawn_configs.py) draws every family, base and option
 CASES = [
     # family,  dtype,          nf4,   accum, block_size, prefetch, eager reference
     ("qwen2", torch.float32, False, 1, 1, 1, True),
-    ("qwen2", torch.float32, False, 2, 2, 0, True),
-    ("llama", torch.float32, False, 4, 1, 0, True),
     ("llama", torch.float32, True, 2, 2, 1, True),
-    ("qwen2", torch.float32, True, 1, 1, 0, True),
-    ("mistral", torch.float32, False, 2, 1, 1, True),
     ("qwen3", torch.float32, False, 2, 2, 1, True),
     ("qwen2", torch.bfloat16, True, 2, 1, 1, False),  # bf16 + SDPA with GQA: eager differs (docs/exactness.md)
-    ("llama", torch.bfloat16, False, 2, 1, 1, False),
 ]
 
 

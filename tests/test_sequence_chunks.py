@@ -27,9 +27,9 @@ def run(mode, family, nf4, chunks, accumulate, seq, dropout=0.1, **cfg):
     return train(model, step_model, batches, accumulate=accumulate, block_major=mode == "stream"), model
 
 
+# fixed reference points; the generator (test_drawn_configs.py) draws sequence_chunks over every family
 CASES = [
     # family,        nf4,   chunks, accumulate, seq (odd lengths: chunks of unequal sizes)
-    ("qwen2", False, 3, 1, 25),
     ("llama", True, 2, 2, 24),
     ("phi3", False, 2, 1, 21),
 ]
