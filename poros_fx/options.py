@@ -267,7 +267,7 @@ def cuda_graphs_choice(opts: PorosOptions, device: torch.device, offload_boundar
     """Whether a step's region calls replay from CUDA graphs, and why, in a few words. Asked for where they
     cannot run, ``PorosConfigError``; left to the default, they are on where the step computes on CUDA and
     off where they could not keep the guarantee, with the reason."""
-    chunked = sequence_chunks > 1 and opts.stream
+    chunked = sequence_chunks > 1  # stream=False runs the same chunked regions
     if opts.cuda_graphs:
         if device.type != "cuda":
             raise PorosConfigError(f"options={{'cuda_graphs': True}} captures CUDA kernels; this model computes on "
