@@ -13,7 +13,11 @@ patched). Eager, both functions are transformers' own. Compiled, the mask functi
 *and* eager's decision as a tensor, ``(mask, no_mask_needed)``, and the attention function branches
 on it with ``torch.cond``: the ``is_causal`` kernel when eager would have skipped the mask, the masked
 kernel otherwise. The decision is computed once per forward and moved to the host, so the branch
-costs no device sync per layer. Graph, per attention (``q`` query, ``pred`` on the CPU)::
+costs no device sync per layer. With no padding mask (transformers then composes a packed-sequence mask
+from the position ids, which it cannot read under compile) the pair is ``(sequence numbers, one
+sequence per row)``: each token's sequence, ``[batch, length]``, read off one diagonal of the mask
+function, and the masked branch builds the mask from them, so a step whose rows hold one sequence each
+never makes the ``[batch, 1, length, length]`` mask (4.3 GB at 65536 tokens). Graph, per attention (``q`` query, ``pred`` on the CPU)::
 
     before:  sdpa = aten.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask)
     after:   cond = higher_order.cond(pred, true_graph, false_graph, (q, k, v, mask))
@@ -36,6 +40,8 @@ ATTENTION_DROPOUT_MESSAGE = (
     "eager's mask decision branches to, and a branch's backward runs it again with fresh numbers, so the "
     "gradients would not be exact. Set model.config.{key} = 0.0, or load the model with "
     "attn_implementation='eager' (its attention dropout is an op of its own, replayed exactly)")
+OVERLAY_MESSAGE = ("poros_sdpa: this model's causal mask lets a token attend to a later one (a bidirectional "
+                   "block overlay); train it with attn_implementation='eager'")
 NAME = "poros_sdpa"  # the attention implementation a prepared model's config names
 WRAPS = "sdpa"  # the implementation it stands in for
 
@@ -90,7 +96,10 @@ class MaskPair(tuple):
         if any(not isinstance(k, slice) or k != slice(None) and k != slice(0, None) for k in key):
             raise NotImplementedError("poros_sdpa: a mask indexed to fewer query rows (logits_to_keep > 0 before "
                                       "KV-shared layers) is not supported while training")
-        return MaskPair((tuple.__getitem__(self, 0)[key], tuple.__getitem__(self, 1)))
+        mask_or_sequences = tuple.__getitem__(self, 0)
+        if mask_or_sequences.dim() == 2:  # sequence numbers (every query row kept: the same mask)
+            return self
+        return MaskPair((mask_or_sequences[key], tuple.__getitem__(self, 1)))
 
 
 def _static_skip(q_length: int, kv_length: int, q_offset: Any, local_size: int | None) -> tuple[bool, bool]:
@@ -122,6 +131,9 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_o
             # Without a padding mask, create_causal_mask looks for packed sequences in the position ids;
             # it cannot read them under compile, so it composes a packed-sequence mask and forbids the
             # skip. Eager skips when each row holds one sequence, i.e. when the mask is plain causal.
+            if q_offset == 0 and kv_offset == 0 and q_length == kv_length:
+                segments, one_sequence = _sequence_indices(mask_function, batch_size, q_length, kwargs.get("device"))
+                return MaskPair((segments, one_sequence.cpu()))
             full = sdpa_mask(allow_is_causal_skip=False, **args)
             causal = torch.ones(q_length, kv_length, dtype=torch.bool, device=full.device).tril()
             return MaskPair((full, (full == causal).all().cpu()))
@@ -143,6 +155,33 @@ def mask(batch_size: int, q_length: int, kv_length: int, q_offset: Any = 0, kv_o
     return MaskPair((sdpa_mask(allow_is_causal_skip=False, **args), skip.cpu()))
 
 
+def _sequence_indices(mask_function: Callable, batch_size: Any, length: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a causal mask within packed sequences (``create_causal_mask``'s composition from the position
+    ids): each token's sequence number ``[batch, length]`` and whether every row is one sequence. Token
+    ``q`` starts a sequence where it does not see token ``q - 1``; read off the mask function on that
+    diagonal only, O(batch * length), where the full mask is O(length^2)."""
+    rows = torch.arange(batch_size, device=device)[:, None]
+    after = torch.arange(1, length, device=device)[None, :]
+    sees_previous = mask_function(rows, 0, after, after - 1).expand(batch_size, length - 1)
+    # a bidirectional overlay (blocks of image tokens, ``or_masks``) lets a token see the next one: such a
+    # mask is more than sequences, and is refused rather than rebuilt wrong
+    torch._assert_async(~mask_function(rows, 0, after - 1, after).any(), OVERLAY_MESSAGE)
+    starts = (~sees_previous).to(torch.long).cumsum(-1)
+    segments = torch.cat([torch.zeros_like(starts[:, :1]), starts], dim=-1)
+    return segments, sees_previous.all()
+
+
+def _mask_of_sequences(segments: torch.Tensor) -> torch.Tensor:
+    """The mask ``sdpa_mask`` builds for causal attention within the packed sequences ``segments``
+    (``_sequence_indices``): the same function, so the same tensor."""
+    from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function, sdpa_mask
+
+    batch_size, length = segments.shape
+    return sdpa_mask(batch_size=batch_size, q_length=length, kv_length=length, allow_is_causal_skip=False,
+                     mask_function=and_masks(causal_mask_function, packed_sequence_mask_function(segments)),
+                     device=segments.device)
+
+
 def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' ``sdpa_attention_forward``; given ``(mask, skip)`` from ``mask``, it runs the kernel
@@ -162,6 +201,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
     def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
         q, k, v = (_GradSeqMajor.apply(t) for t in (q, k, v))
+        if m.dim() == 2:  # sequence numbers: the mask is built in this branch only
+            m = _mask_of_sequences(m)
         return _standard_strides(sdpa_attention_forward(module, q, k, v, m, **kwargs)[0])
 
     if torch.compiler.is_dynamo_compiling():  # a layer traced inline into the step's graph

@@ -153,3 +153,27 @@ def test_poros_trainer_equals_trainer_with_sdpa(tmp_path):
     assert poros_log == plain_log
     assert poros_weights.keys() == plain_weights.keys()
     assert all(torch.equal(poros_weights[n], plain_weights[n]) for n in plain_weights)
+
+
+def test_packed_sequences_are_read_off_one_diagonal_and_give_the_mask_transformers_builds():
+    """Under compile a step without padding gets each token's sequence number ([batch, length]) instead of
+    the [batch, 1, length, length] mask; the masked branch builds the mask from them, equal to the one
+    transformers composes from the position ids."""
+    from transformers.masking_utils import (and_masks, causal_mask_function, find_packed_sequence_indices,
+                                            or_masks, packed_sequence_mask_function,
+                                            remap_positions_for_packed_sequence, sdpa_mask)
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 1, 2, 0, 1, 2, 3, 4]])
+    for rows in ([0, 1, 2], [1], [1, 1]):
+        pos = positions[rows]
+        packed = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        assert torch.equal(packed, find_packed_sequence_indices(positions)[rows])
+        composed = and_masks(remap_positions_for_packed_sequence(causal_mask_function, pos),
+                             packed_sequence_mask_function(packed))
+        expected = sdpa_mask(batch_size=len(rows), q_length=9, kv_length=9, mask_function=composed,
+                             allow_is_causal_skip=False)
+        segments, one_sequence = attention._sequence_indices(composed, len(rows), 9, "cpu")
+        assert torch.equal(attention._mask_of_sequences(segments), expected)
+        assert bool(one_sequence) == (rows in ([1], [1, 1]))
+    with pytest.raises(RuntimeError, match="bidirectional"):
+        attention._sequence_indices(or_masks(composed, lambda b, h, q, kv: kv == q + 1), 1, 9, "cpu")
