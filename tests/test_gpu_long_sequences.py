@@ -33,7 +33,8 @@ def _batches(lengths=LENGTHS) -> list[dict]:
     return out
 
 
-def _run(mode: str, nf4: bool, codegen: str):
+def _run(mode: str, nf4: bool, codegen: str, **chunking):
+    """``chunking``: prepare's options beyond the chunked loss (``head_chunks`` by default)."""
     torch._dynamo.reset()
     config = tiny_config("qwen2", layers=4, hidden=256, heads=4, kv_heads=2, vocab=VOCAB, intermediate=1376)
     model = lora_model(config, dtype=torch.bfloat16, nf4=nf4, dropout=0.1, device="cuda")
@@ -46,8 +47,8 @@ def _run(mode: str, nf4: bool, codegen: str):
                                                                      row_chunks(VOCAB, CHUNKS), labels))
 
         return train(model, step, _batches(), accumulate=2), model
-    poros_fx.prepare(model, device="cuda", codegen=codegen, head_chunks=CHUNKS, chunked_loss=True,
-                     offload_boundaries=mode == "streamed")
+    poros_fx.prepare(model, device="cuda", codegen=codegen, chunked_loss=True, offload_boundaries=mode == "streamed",
+                     **(chunking or {"head_chunks": CHUNKS}))
     compiled = torch.compile(model, backend="poros", options={"stream": mode == "streamed"})
     result = train(model, lambda **b: compiled(**poros_fx.mark_dynamic(b)), _batches(), accumulate=2,
                    block_major=mode == "streamed")
@@ -69,25 +70,13 @@ def test_gpu_chunked_loss_offloaded_boundaries_exact(nf4, codegen, deterministic
         assert compare(streamed, eager) == EQUAL, format_diffs("long vs eager chunked", compare(streamed, eager))
 
 
-def _run_chunks(mode: str, nf4: bool, codegen: str):
-    torch._dynamo.reset()
-    config = tiny_config("qwen2", layers=4, hidden=256, heads=4, kv_heads=2, vocab=VOCAB, intermediate=1376)
-    model = lora_model(config, dtype=torch.bfloat16, nf4=nf4, dropout=0.1, device="cuda")
-    poros_fx.prepare(model, device="cuda", codegen=codegen, sequence_chunks=4, chunked_loss=True,
-                     offload_boundaries=mode == "streamed")
-    compiled = torch.compile(model, backend="poros", options={"stream": mode == "streamed"})
-    result = train(model, lambda **b: compiled(**poros_fx.mark_dynamic(b)), _batches(), accumulate=2,
-                   block_major=mode == "streamed")
-    return result, model
-
-
 @pytest.mark.parametrize("codegen", ["inductor", "eager"])
 @pytest.mark.parametrize("nf4", [False, True], ids=["bf16", "nf4"])
 def test_gpu_sequence_chunks_exact(nf4, codegen, deterministic):
     """Each layer's MLP in 4 token chunks (their dropout replayed from the CUDA generator's saved state),
     with the chunked loss, offloaded boundaries and block-major accumulation."""
-    streamed, model = _run_chunks("streamed", nf4, codegen)
-    resident, _ = _run_chunks("resident", nf4, codegen)
+    streamed, model = _run("streamed", nf4, codegen, sequence_chunks=4)
+    resident, _ = _run("resident", nf4, codegen, sequence_chunks=4)
     assert compare(streamed, resident) == EQUAL, format_diffs(f"chunks {codegen}", compare(streamed, resident))
     assert poros_fx.stats(model)["offloads"] > 0
 
