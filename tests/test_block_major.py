@@ -63,8 +63,8 @@ def run(mode: str, accumulate: int, steps: int = STEPS, seq: int = 16, **kw):
 
 # fp32 and bf16 at accumulation 2 and 4, against stream=False and the eager loop, run in the parity matrix
 # (tests/test_parity.py: its streamed runs with accumulation are block-major)
-@pytest.mark.parametrize("accumulate,nf4,dtype,codegen", [
-    (3, True, torch.float32, "eager"), (3, False, torch.float32, "inductor")], ids=["nf4-acc3", "inductor-acc3"])
+# (the generator draws block-major with the Inductor codegen)
+@pytest.mark.parametrize("accumulate,nf4,dtype,codegen", [(3, True, torch.float32, "eager")], ids=["nf4-acc3"])
 def test_block_major_equals_micro_batch_major_and_resident(accumulate, nf4, dtype, codegen):
     block, s = run("block_major", accumulate, nf4=nf4, dtype=dtype, codegen=codegen)
     micro, m = run("micro_major", accumulate, nf4=nf4, dtype=dtype, codegen=codegen)
