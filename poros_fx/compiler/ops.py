@@ -173,23 +173,26 @@ MATMUL_4BIT = torch.ops.poros.matmul_4bit.default
 MATMUL_4BIT_GRAD = torch.ops.poros.matmul_4bit_grad.default
 
 
+def _wanted_gradients(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias_sizes: Any, stride: Any,
+                      padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int,
+                      output_mask: list[bool]) -> list[torch.Tensor]:
+    """``aten.convolution_backward``'s gradients that ``output_mask`` asks for, in its order (on fake
+    tensors too: the aten op's own meta)."""
+    out = torch.ops.aten.convolution_backward.default(grad, input, weight, bias_sizes, stride, padding, dilation,
+                                                      transposed, output_padding, groups, output_mask)
+    return [g for g, wanted in zip(out, output_mask) if wanted]
+
+
 @torch.library.custom_op("poros::convolution_backward", mutates_args=())
 def convolution_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias_sizes: list[int] | None,
                          stride: list[int], padding: list[int], dilation: list[int], transposed: bool,
                          output_padding: list[int], groups: int, output_mask: list[bool]) -> list[torch.Tensor]:
-    """``aten.convolution_backward``'s gradients that ``output_mask`` asks for, in its order, as one
-    call Inductor runs as it is (its own lowering of the op fixes the input's strides, and with them
-    every size; see ``passes/opaque_convolution_backward.py``)."""
-    out = torch.ops.aten.convolution_backward.default(grad, input, weight, bias_sizes, stride, padding, dilation,
-                                                      transposed, output_padding, groups, output_mask)
-    return [g for g, wanted in zip(out, output_mask) if wanted]
+    """``_wanted_gradients`` as one call Inductor runs as it is (its own lowering of the op fixes the
+    input's strides, and with them every size; see ``passes/opaque_convolution_backward.py``)."""
+    return _wanted_gradients(grad, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding,
+                             groups, output_mask)
 
 
-@convolution_backward.register_fake
-def _(grad, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask):
-    out = torch.ops.aten.convolution_backward.default(grad, input, weight, bias_sizes, stride, padding, dilation,
-                                                      transposed, output_padding, groups, output_mask)
-    return [g for g, wanted in zip(out, output_mask) if wanted]
-
+convolution_backward.register_fake(_wanted_gradients)
 
 CONVOLUTION_BACKWARD = torch.ops.poros.convolution_backward.default
