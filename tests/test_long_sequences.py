@@ -20,7 +20,7 @@ from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
 from poros_fx.models.tiny import demo_batches, tiny_lora_model
 
 ZERO = {s: 0.0 for s in SURFACES}
-VOCAB, SEQ, BATCH, CHUNKS = 256, 24, 2, 3
+VOCAB, SEQ, BATCH, CHUNKS = 384, 24, 2, 3  # chunks of 128 rows: no saved size is a chunk's by chance
 
 
 @pytest.fixture(autouse=True)
@@ -52,6 +52,17 @@ def _run(mode, *, codegen="eager", accumulate=1, steps=3, **prepare_kwargs):
         step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
     batches = demo_batches(steps * accumulate, vocab=VOCAB, seq=SEQ, batch=BATCH, seed=7)
     return train(model, step_model, batches, accumulate=accumulate, block_major=mode == "stream"), model
+
+
+@pytest.mark.parametrize("rows,count", [(152064, 19), (151936, 5), (262144, 33), (32000, 4), (100, 3), (256, 3)])
+def test_vocabulary_chunks_cover_the_rows_on_aligned_boundaries(rows, count):
+    """Every chunk of a real vocabulary starts and ends on a multiple of 64 rows (its logits' row stride is
+    aligned); a vocabulary too small for that keeps even, unaligned chunks. Never an empty chunk."""
+    chunks = row_chunks(rows, count)
+    assert len(chunks) == count and chunks[0][0] == 0 and chunks[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])) and all(lo < hi for lo, hi in chunks)
+    if rows >= 64 * count * 2:
+        assert all(hi % 64 == 0 or hi == rows for _, hi in chunks)
 
 
 def test_chunked_loss_and_offloaded_boundaries_exact_eager_codegen():

@@ -61,6 +61,15 @@ def peak_tensors(snapshot: dict, top: int = 15) -> list[dict]:
     return sorted(rows, key=lambda r: -r["gb"])[:top]
 
 
+def top_kernels(prof: torch.profiler.profile, top: int = 25) -> list[dict]:
+    """The device kernels with the most total time in a profiled step, and their share of all device time."""
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) or 1
+    rows = [{"kernel": e.key[:120], "calls": e.count, "ms": e.self_device_time_total / 1e3,
+             "share": e.self_device_time_total / total} for e in events]
+    return [{"kernel": "ALL", "calls": 0, "ms": total / 1e3, "share": 1.0}] + sorted(rows, key=lambda r: -r["ms"])[:top]
+
+
 def _where(frames: list[dict]) -> str:
     picked = [f for f in frames if any(k in f["filename"] for k in FRAME_KEYS)]
     ours = [f for f in picked if "poros_fx" in f["filename"] or "passes/" in f["filename"]
@@ -80,8 +89,15 @@ def main() -> None:
     parser.add_argument("--snapshot", action="store_true")
     parser.add_argument("--mask", action="store_true", help="pass an all-ones attention_mask")
     parser.add_argument("--dropout", type=float, default=0.05)
+    parser.add_argument("--profile", action="store_true", help="the timed step of each length under torch.profiler: "
+                        "the kernels with the most device time")
+    parser.add_argument("--cap-gb", type=float, default=None, help="cap this process's device memory "
+                        "(torch.cuda.set_per_process_memory_fraction)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.cap_gb:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gb * 1e9 / total))
     config = qwen25_config(args.size)
     config.num_hidden_layers = args.layers
     config.max_position_embeddings = max(args.seqs)
@@ -114,7 +130,14 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats()
             if args.snapshot:
                 torch.cuda.memory._record_memory_history(max_entries=200000)
-            row["step_s"] = step(seq, 1 + i)
+            if args.profile:
+                row["step_s"] = step(seq, 1 + i)  # unprofiled, then the same length profiled
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                        torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    row["profiled_step_s"] = step(seq, 1 + i)
+                row["kernels"] = top_kernels(prof)
+            else:
+                row["step_s"] = step(seq, 1 + i)
             row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
             row["tokens_per_s"] = seq / row["step_s"]
             if args.snapshot:
@@ -127,7 +150,9 @@ def main() -> None:
             break
         doc["rows"].append(row)
         (args.out / "probe.json").write_text(json.dumps(doc, indent=1, default=str))
-        print(json.dumps({k: v for k, v in row.items() if k != "at_peak"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("at_peak", "kernels")}), flush=True)
+        for r in row.get("kernels", []):
+            print(f"   {r['ms']:9.1f} ms {r['share']:6.1%} x{r['calls']:<5} {r['kernel']}", flush=True)
         for r in row.get("at_peak", []):
             print(f"   {r['gb']:7.2f} GB  x{r['count']:<4} {r['where']}", flush=True)
     (args.out / "probe.json").write_text(json.dumps(doc, indent=1, default=str))
