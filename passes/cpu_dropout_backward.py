@@ -17,9 +17,9 @@ Before (a region's backward, eager codegen, CPU, bf16)::
 
 After::
 
-    dropout_noise = aten._to_copy.default(getitem_15, dtype=torch.bfloat16)
-    dropout_noise_1 = aten.div.Tensor(dropout_noise, 0.9)
-    native_dropout_backward = aten.mul.Tensor(view_36, dropout_noise_1)
+    _to_copy = aten._to_copy.default(getitem_15, dtype=torch.bfloat16)
+    div = aten.div.Tensor(_to_copy, 0.9)
+    native_dropout_backward = aten.mul.Tensor(view_36, div)
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ def cpu_dropout_backward(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModu
             mask_as_input = gm.graph.call_function(aten._to_copy.default, (mask,), {"dtype": val.dtype})
             noise = gm.graph.call_function(aten.div.Tensor, (mask_as_input, 1.0 / scale))
             product = gm.graph.call_function(aten.mul.Tensor, (grad, noise))
-        mask_as_input.name, noise.name = "dropout_noise", "dropout_noise_1"
         for node in (mask_as_input, noise, product):
             node.meta.update({k: v for k, v in n.meta.items() if k in ("stack_trace", "nn_module_stack")})
         fake = mask.meta.get("val")

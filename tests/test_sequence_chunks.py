@@ -12,16 +12,19 @@ from poros_fx.errors import PorosConfigError
 from poros_fx.exactness.parity import compare, format_diffs, train
 from poros_fx.handles import get_store
 from poros_fx.models.tiny import demo_batches, tiny_lora_model
+from poros_fx.compiler.ops import AFTER
+from poros_fx.compiler.regions.sequence_chunks import CHUNK
+from poros_fx.passes.order_sequence_chunks import computes_nothing, chunk_labels
 
 STEPS = 4
 ZERO = {"loss": 0.0, "weights": 0.0, "grad_norms": 0.0, "optimizer": 0.0}
 
 
-def run(mode, family, nf4, chunks, accumulate, seq, dropout=0.1, **cfg):
+def run(mode, family, nf4, chunks, accumulate, seq, dropout=0.1, codegen="eager", **cfg):
     model = tiny_lora_model(family, nf4=nf4, dropout=dropout, **cfg)
     step_model = model
     if mode != "eager":
-        poros_fx.prepare(model, device="cpu", sequence_chunks=chunks)
+        poros_fx.prepare(model, device="cpu", sequence_chunks=chunks, codegen=codegen)
         step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
     batches = demo_batches(STEPS * accumulate, vocab=256, seq=seq, batch=2, seed=3)
     return train(model, step_model, batches, accumulate=accumulate, block_major=mode == "stream"), model
@@ -29,20 +32,26 @@ def run(mode, family, nf4, chunks, accumulate, seq, dropout=0.1, **cfg):
 
 # fixed reference points; the generator (test_drawn_configs.py) draws sequence_chunks over every family
 CASES = [
-    # family,        nf4,   chunks, accumulate, seq (odd lengths: chunks of unequal sizes)
-    ("llama", True, 2, 2, 24),
-    ("phi3", False, 2, 1, 21),
+    # family,        nf4,   chunks, accumulate, seq (odd lengths: chunks of unequal sizes), codegen
+    ("llama", True, 2, 2, 24, "eager"),
+    ("phi3", False, 2, 1, 21, "eager"),
+    ("qwen2", True, 3, 1, 20, "inductor"),  # chunks ordered by poros::after (passes/order_sequence_chunks.py)
 ]
 
 
-@pytest.mark.parametrize("family,nf4,chunks,accumulate,seq", CASES, ids=[f"{c[0]}-k{c[2]}" for c in CASES])
-def test_streamed_equals_resident_with_chunks(family, nf4, chunks, accumulate, seq):
-    streamed, model = run("stream", family, nf4, chunks, accumulate, seq)
-    resident, _ = run("resident", family, nf4, chunks, accumulate, seq)
+@pytest.mark.parametrize("family,nf4,chunks,accumulate,seq,codegen", CASES, ids=[f"{c[0]}-k{c[2]}-{c[5]}" for c in CASES])
+def test_streamed_equals_resident_with_chunks(family, nf4, chunks, accumulate, seq, codegen):
+    streamed, model = run("stream", family, nf4, chunks, accumulate, seq, codegen=codegen)
+    resident, _ = run("resident", family, nf4, chunks, accumulate, seq, codegen=codegen)
     assert len(streamed.weights) == STEPS
     diffs = compare(streamed, resident)
     assert diffs == ZERO, format_diffs("streamed vs stream=False (sequence_chunks)", diffs)
     assert get_store(model).sequence_chunks == chunks
+    if codegen == "inductor":  # each chunk after the first waits for the one before it, forward and backward
+        region = _chunked_regions(model)[0]
+        for graph in (region.forward, region.backward):
+            assert len({n.meta["custom"][CHUNK] for n in graph.graph.find_nodes(op="call_function", target=AFTER)}) \
+                == chunks - 1
 
 
 def test_without_dropout_chunks_differ_from_eager_only_in_rounding():
@@ -55,10 +64,14 @@ def test_without_dropout_chunks_differ_from_eager_only_in_rounding():
     assert 0 < diffs["weights"] < 1e-4, diffs
 
 
+def _chunked_regions(model) -> list:
+    table = region_tables._TABLES[get_store(model).regions.handle]
+    return [r for rs in table.by_key.values() for r in rs if r.backward is not None]
+
+
 def _saved_elements(model) -> int:
     """Elements a layer's region saves for its backward (beyond its outputs), at the traced sizes."""
-    table = region_tables._TABLES[get_store(model).regions.handle]
-    regions = [r for rs in table.by_key.values() for r in rs if r.backward is not None]
+    regions = _chunked_regions(model)
     fw = regions[0].forward
     outs = list(next(iter(fw.graph.find_nodes(op="output"))).args[0])[regions[0].num_outputs:]
     total = 0
@@ -79,6 +92,13 @@ def test_chunks_save_the_mlp_input_not_its_intermediates():
         torch.compile(model, backend="poros")(**demo_batches(1, vocab=256, seq=16)[0]).loss.backward()
         sizes[chunks] = _saved_elements(model)
     assert sizes[4] < sizes[1] / 2, sizes
+    # the backward runs chunk by chunk: each chunk's recompute and gradient (its nodes that compute) in one
+    # run, not several chunks' recomputes side by side
+    backward = _chunked_regions(model)[0].backward.graph
+    labels = chunk_labels(backward)
+    runs = [labels[n] for n in backward.nodes if labels[n] is not None and not computes_nothing(n)]
+    runs = [label for i, label in enumerate(runs) if i == 0 or runs[i - 1] != label]
+    assert sorted(runs) == [0, 1, 2, 3], runs
 
 
 def test_settings_that_cannot_run_chunks_are_refused():

@@ -196,3 +196,20 @@ def convolution_backward(grad: torch.Tensor, input: torch.Tensor, weight: torch.
 convolution_backward.register_fake(_wanted_gradients)
 
 CONVOLUTION_BACKWARD = torch.ops.poros.convolution_backward.default
+
+
+def _copy_after(x: torch.Tensor, results: list[torch.Tensor]) -> torch.Tensor:
+    """A copy of ``x`` (on fake tensors too); ``results`` are read by nobody, only waited for."""
+    return x.clone()
+
+
+@torch.library.custom_op("poros::after", mutates_args=())
+def after(x: torch.Tensor, results: list[torch.Tensor]) -> torch.Tensor:
+    """``x``, copied once ``results`` exist: an order Inductor's scheduler keeps between two token chunks
+    of a region (``passes/order_sequence_chunks.py``)."""
+    return _copy_after(x, results)
+
+
+after.register_fake(_copy_after)
+
+AFTER = torch.ops.poros.after.default
