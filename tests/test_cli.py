@@ -3,6 +3,8 @@ matters, in this process (``cli.main``, as the script runs it) for commands that
 subprocess costs ~8 s of importing torch, transformers and peft before it does anything."""
 
 
+import re
+
 import pytest
 from cli_helper import cli
 from train_helper import run_cli
@@ -61,6 +63,20 @@ def test_check_estimates_the_step_and_a_budgets_plan(capsys):
     assert code == 0 and "below the estimated streamed step" in small
     code, bad = check(capsys, "qwen2.5-7b", "--memory-budget", "lots")
     assert code == 2 and "memory_budget must be" in bad
+
+
+def test_check_device_memory_names_the_options_a_length_needs_or_the_longest_that_fits(capsys):
+    code, short = check(capsys, "qwen2.5-7b", "--seq-len", "512", "--device-memory", "24GB")
+    assert code == 0 and "with no long-sequence option" in short
+    code, long = check(capsys, "qwen2.5-7b", "--seq-len", "131072", "--device-memory", "24GB")
+    assert code == 0 and "--chunked-loss --offload-boundaries --sequence-chunks" in long
+    code, out = check(capsys, "qwen2.5-7b", "--seq-len", "1048576", "--device-memory", "24GB")
+    longest = int(re.search(r"the longest length that fits is about (\d+)", out).group(1))
+    assert code == 0 and "does not fit" in out and 131072 <= longest < 1048576
+    code, edge = check(capsys, "qwen2.5-7b", "--seq-len", str(longest), "--device-memory", "24GB")
+    assert "does not fit" not in edge
+    code, _, err = run_cli(capsys, "check", "qwen2.5-7b", "--device-memory", "lots")
+    assert code == 2 and "--device-memory" in err
 
 
 def test_check_unknown_model_and_family(tmp_path, capsys):

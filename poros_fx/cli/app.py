@@ -34,7 +34,7 @@ from ..bench import multi_gpu as multi_bench
 from ..bench import unsloth, unsloth_worker
 from ..bench.h2d import measure_gpus, measure_ranks
 from ..compiler.backend import poros
-from ..compiler.estimate import lora_bytes, step_memory
+from ..compiler.estimate import long_context_plan, lora_bytes, step_memory
 from ..errors import PorosError, UnsupportedArchitectureError
 from ..exactness import sweep as exactness_sweep
 from ..families import resolve
@@ -57,6 +57,7 @@ from .options import (
     CODEGEN_OPTION,
     DEVICE_OPTION,
     PREFETCH_OPTION,
+    device_memory_value,
     device_value,
     memory_budget_value,
 )
@@ -152,7 +153,12 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
                                                       help="show the blocks a budget would keep resident"),
           chunked_loss: bool = typer.Option(False, help="estimate with the head and loss in vocabulary chunks"),
           offload_boundaries: bool = typer.Option(False, help="estimate with the boundary activations in host "
-                                                  "memory")) -> None:
+                                                  "memory"),
+          sequence_chunks: int = typer.Option(1, min=1, help="estimate with each layer's MLP in this many token "
+                                              "chunks"),
+          device_memory: Optional[str] = typer.Option(None, "--device-memory", callback=device_memory_value,
+                                                      help="a device's memory (24GB): the long-sequence options "
+                                                      "the step needs to fit it, or the longest length that fits")) -> None:
     """Family and its status, base bytes per block, the predicted resident peak of the base, an estimate
     of the step's device memory and, with --memory-budget, the plan it would make. No weights."""
     config = load_config(model_or_config)
@@ -191,21 +197,44 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
                   + (f"; prefetch auto loads {'one block' if ahead == 1 else 'two blocks'} ahead in the forward and "
                      f"deepens the backward only as far as half the free device memory allows (at most {LIMIT} blocks)"
                      if prefetch == AUTO else ""))
-    loss_chunks = loss_chunk_count(config.vocab_size, chunks) if chunked_loss else None
+    vocabulary_chunks = loss_chunk_count(config.vocab_size, chunks)
     _check_step(config, family, names, sizes, (1 + ahead) * window, seq_len, batch_size, accumulate, lora_r,
-                memory_budget, loss_chunks, offload_boundaries)
+                memory_budget, vocabulary_chunks if chunked_loss else None, offload_boundaries, sequence_chunks)
+    if device_memory is not None:
+        _check_device_memory(config, family, names, (1 + ahead) * window, seq_len, batch_size, lora_r,
+                             vocabulary_chunks, device_memory)
+
+
+def _check_device_memory(config, family, names: list[str], window: int, seq_len: int, batch_size: int, lora_r: int,
+                         vocabulary_chunks: int, device_memory: int) -> None:
+    """``check --device-memory``: the long-sequence options the estimate needs to fit, or the longest length."""
+    adapter = lora_bytes(config, family, lora_targets(config.model_type), lora_r)
+    plan = long_context_plan(config, window, seq=seq_len, batch=batch_size, adapter_bytes=adapter,
+                             device_memory=device_memory, loss_chunks=vocabulary_chunks,
+                             names=names if len(names) == config.num_hidden_layers + 2 else None)
+    flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in plan.options.items())
+    where = f"seq {seq_len} in {format_bytes(device_memory)} of device memory"
+    if plan.fits:
+        console.print(f"{where}: estimated {format_bytes(plan.memory.total)} "
+                      + (f"with {flags}" if flags else "with no long-sequence option"),
+                      soft_wrap=True, highlight=False)
+    else:
+        console.print(f"{where}: does not fit (estimated {format_bytes(plan.memory.total)} with {flags}); "
+                      + (f"the longest length that fits is about {plan.longest}" if plan.longest else
+                         "no length fits: the base window and the adapter alone exceed it"),
+                      soft_wrap=True, highlight=False)
 
 
 def _check_step(config, family, names: list[str], sizes: list[int], window: int, seq_len: int, batch_size: int,
                 accumulate: int, lora_r: int, memory_budget: Optional[str], loss_chunks: Optional[int] = None,
-                offload_boundaries: bool = False) -> None:
+                offload_boundaries: bool = False, sequence_chunks: int = 1) -> None:
     """``check``'s estimate of the step (compiler/estimate.py) and, with a budget, the plan it would make."""
     adapter = lora_bytes(config, family, lora_targets(config.model_type), lora_r)
     console.print(f"LoRA targets (every linear of a decoder layer): {', '.join(lora_targets(config.model_type))}",
                   soft_wrap=True, highlight=False)
     est = step_memory(config, window, seq=seq_len, batch=batch_size, in_flight=accumulate, adapter_bytes=adapter,
                       names=names if len(names) == config.num_hidden_layers + 2 else None,
-                      loss_chunks=loss_chunks, offload_boundaries=offload_boundaries)
+                      loss_chunks=loss_chunks, offload_boundaries=offload_boundaries, sequence_chunks=sequence_chunks)
     console.print(f"estimated device memory of a streamed step (seq {seq_len}, batch {batch_size}, "
                   f"{accumulate} micro-batch(es) in flight{', block-major' if accumulate > 1 else ''}, LoRA r{lora_r} on "
                   f"every linear): {format_bytes(est.total)} = base window {format_bytes(est.base_window)} + adapter, "

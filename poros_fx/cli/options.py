@@ -65,6 +65,11 @@ def size_value(text: str, flag: str) -> int:
         raise typer.BadParameter(str(e)) from None
 
 
+def device_memory_value(value: Optional[str]) -> Optional[int]:
+    """``check --device-memory``: a size, in bytes."""
+    return None if value is None else size_value(value, "--device-memory")
+
+
 def positive_epochs(value: Optional[float]) -> Optional[float]:
     if value is not None and not value > 0:
         raise typer.BadParameter(f"--epochs must be above 0, got {value}")

@@ -19,7 +19,12 @@ plain product of sizes:
   (``loss.py``: its bf16 and fp32 logits and their fp32 and bf16 gradients, 12 bytes a value) plus
   one fp32 ``logsumexp`` per token and chunk for every micro-batch in flight;
 * one layer's recomputed activations: ``batch x seq x (8 x hidden + 4 x intermediate)`` at 2 bytes
-  (attention in/out and the MLP's three wide tensors, dropout masks, LoRA inputs).
+  (attention in/out and the MLP's three wide tensors, dropout masks, LoRA inputs); with
+  ``sequence_chunks=K`` the MLP's wide tensors are one chunk's, ``batch x seq / K x 4 x intermediate``.
+
+``long_context_plan`` picks the fewest of the long-sequence options (``chunked_loss``, then
+``offload_boundaries``, then ``sequence_chunks`` 2 to 32) under which the estimate fits a device's
+memory, or the longest length that fits with all of them.
 
 Measured against it (H200, Qwen2.5-72B NF4, seq 512, r16, one micro-batch): see docs/benchmarks.md.
 """
@@ -90,10 +95,11 @@ def config_block_graph(config: Any, names: list[str], tokens: int) -> Any:
 
 def step_memory(config: Any, window: int, *, seq: int, batch: int, in_flight: int, adapter_bytes: int,
                 names: list[str] | None = None, loss_chunks: int | None = None,
-                offload_boundaries: bool = False) -> StepMemory:
+                offload_boundaries: bool = False, sequence_chunks: int = 1) -> StepMemory:
     """The estimate for ``in_flight`` micro-batches held at once (block-major: the accumulation);
     ``names``: the blocks (one layer each), for the block DAG's boundary bytes; ``loss_chunks``: the
-    vocabulary chunks of a chunked loss (``None``: HF's loss over the whole logits)."""
+    vocabulary chunks of a chunked loss (``None``: HF's loss over the whole logits); ``sequence_chunks``:
+    the token chunks of each layer's MLP."""
     hidden, vocab = config.hidden_size, config.vocab_size
     intermediate = getattr(config, "intermediate_size", 4 * hidden)
     tokens = batch * seq
@@ -110,5 +116,47 @@ def step_memory(config: Any, window: int, *, seq: int, batch: int, in_flight: in
         adapter=4 * adapter_bytes,
         boundaries=in_flight * boundaries,
         logits=logits,
-        layer=tokens * (8 * hidden + 4 * intermediate) * 2,
+        layer=tokens * 8 * hidden * 2 + -(-tokens // sequence_chunks) * 4 * intermediate * 2,
     )
+
+
+CHUNK_CHOICES = (2, 4, 8, 16, 32)  # sequence_chunks long_context_plan tries
+
+
+@dataclasses.dataclass(frozen=True)
+class LongContextPlan:
+    options: dict[str, Any]  # the long-sequence options to set (empty: none needed)
+    memory: StepMemory  # the estimate under them
+    fits: bool
+    longest: int | None  # when it does not fit: the longest length (a multiple of 1024) that does, if any
+
+
+def long_context_plan(config: Any, window: int, *, seq: int, batch: int, adapter_bytes: int, device_memory: int,
+                      names: list[str] | None = None, loss_chunks: int | None = None) -> LongContextPlan:
+    """The fewest long-sequence options whose estimate fits ``device_memory`` at ``seq`` (one micro-batch in
+    flight): chunked_loss, then offload_boundaries, then sequence_chunks from 2 to 32; without a fit, all of
+    them at 32 chunks and the longest length that fits. ``loss_chunks``: the chunked loss's vocabulary
+    chunks (``loss.loss_chunk_count``)."""
+    candidates: list[dict[str, Any]] = [{}]
+    if loss_chunks:
+        candidates.append({"chunked_loss": True})
+    longest_set = {**candidates[-1], "offload_boundaries": True}
+    candidates.append(longest_set)
+    candidates += [{**longest_set, "sequence_chunks": k} for k in CHUNK_CHOICES]
+
+    def estimate(options: dict[str, Any], tokens: int) -> StepMemory:
+        return step_memory(config, window, seq=tokens, batch=batch, in_flight=1, adapter_bytes=adapter_bytes,
+                           names=names, loss_chunks=loss_chunks if options.get("chunked_loss") else None,
+                           offload_boundaries=bool(options.get("offload_boundaries")),
+                           sequence_chunks=options.get("sequence_chunks", 1))
+
+    for options in candidates:
+        memory = estimate(options, seq)
+        if memory.total <= device_memory:
+            return LongContextPlan(options, memory, True, None)
+    options = candidates[-1]
+    low, high = 0, seq // 1024  # in units of 1024 tokens: the largest that fits
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if estimate(options, mid * 1024).total <= device_memory else (low, mid - 1)
+    return LongContextPlan(options, estimate(options, seq), False, low * 1024 or None)
