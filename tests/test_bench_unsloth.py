@@ -19,7 +19,7 @@ from poros_fx.prepare import unprepare
 from poros_fx import bench
 from poros_fx.bench import unsloth
 from poros_fx.bench.config import RowSpec
-from poros_fx.bench.unsloth_worker import UNSLOTH_FIRST
+from poros_fx.bench.unsloth_worker import METHODS as UNSLOTH_METHODS, UNSLOTH_FIRST
 from poros_fx.models.tiny import tiny_config
 
 FAKE_UNSLOTH = textwrap.dedent('''
@@ -121,11 +121,13 @@ def test_unsloth_rows_run_in_their_own_process_or_skip(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(fake))
     monkeypatch.setenv("PYTHONPATH", f"{fake}")
     monkeypatch.setenv("FAKE_UNSLOTH_LOG", str(calls))
-    doc = bench.run(_config(tmp_path, "unsloth_resident,unsloth_checkpointing,unsloth_offload"), log=lambda s: None)
+    # two of the three methods (a worker process each); unsloth_checkpointing differs from unsloth_offload
+    # only in the option its worker passes, checked below
+    doc = bench.run(_config(tmp_path, "unsloth_resident,unsloth_offload"), log=lambda s: None)
     rows = {r["method"]: r for r in doc["rows"]}
-    assert set(rows) == {"peft_resident", "unsloth_resident", "unsloth_checkpointing", "unsloth_offload"}
+    assert set(rows) == {"peft_resident", "unsloth_resident", "unsloth_offload"}
     folder = unsloth.checkpoint_dir(tmp_path / "ckpt", "tiny", 0)
-    for name in ("unsloth_resident", "unsloth_checkpointing", "unsloth_offload"):
+    for name in ("unsloth_resident", "unsloth_offload"):
         r = rows[name]
         assert r["error"] is None and r["unsloth"] == "fake" and r["steps"] == 2 and r["run"] == 2
         assert r["s_per_step"] > 0 and r["compile_s"] is not None and torch.isfinite(torch.tensor(r["loss"]))
@@ -134,9 +136,11 @@ def test_unsloth_rows_run_in_their_own_process_or_skip(tmp_path, monkeypatch):
     assert not any(c["transformers_first"] for c in logged)
     loads = [c for c in logged if c["call"] == "from_pretrained"]
     assert all(c["model_name"] == str(folder) and c["local_files_only"] and c["load_in_4bit"] for c in loads)
-    assert [c.get("offload_layers") for c in loads] == [None, None, 2]  # tiny: 2 decoder layers, all swapped
+    assert [c.get("offload_layers") for c in loads] == [None, 2]  # tiny: 2 decoder layers, all swapped
     peft_calls = [c for c in logged if c["call"] == "get_peft_model"]
-    assert [c["use_gradient_checkpointing"] for c in peft_calls] == [False, "unsloth", "unsloth"]
+    assert [c["use_gradient_checkpointing"] for c in peft_calls] == [False, "unsloth"]
+    assert UNSLOTH_METHODS["unsloth_checkpointing"] == {"use_gradient_checkpointing": "unsloth",
+                                                                      "offload": False}
     assert all(c["r"] == 16 and c["lora_alpha"] == 32 and c["lora_dropout"] == 0 and len(c["target_modules"]) == 7
                for c in peft_calls)
     md = (tmp_path / "bench.md").read_text()
