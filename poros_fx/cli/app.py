@@ -223,6 +223,8 @@ def _check_device_memory(config, family, names: list[str], window: int, seq_len:
                       + (f"the longest length that fits is about {plan.longest}" if plan.longest else
                          "no length fits: the base window and the adapter alone exceed it"),
                       soft_wrap=True, highlight=False)
+    console.print("the layer term of this estimate is not fitted to long sequences yet: measured peaks at 32768-131072 "
+                  "tokens are in docs/bench/long_context/README.md", soft_wrap=True, highlight=False)
 
 
 def _check_step(config, family, names: list[str], sizes: list[int], window: int, seq_len: int, batch_size: int,
