@@ -53,8 +53,6 @@ from poros_fx.compiler.schedule import Schedule
 aten = torch.ops.aten
 SCALARS = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
 SIZE = "size"  # chunk_major_order's queue of ready sizes and views
-VIEWS = frozenset({aten.slice.Tensor, aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
-                   aten.unsqueeze.default, aten.squeeze.dim, aten.select.int, aten.view.default, aten.alias.default})
 
 
 def order_sequence_chunks(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
@@ -78,7 +76,7 @@ def chunk_labels(graph: fx.Graph) -> dict[fx.Node, Hashable | None]:
     one chunk of its labelled inputs (a node a pass added after the trace, such as the CPU dropout
     gradient, or the sum of a gradient over the chunks before and this one's part). A size computed
     in the graph (a chunk's bounds) belongs to no chunk: the next chunk reads it too."""
-    sized = [n for n in graph.nodes if n.op == "call_function" and not isinstance(n.meta.get("val"), SCALARS)]
+    sized = [n for n in graph.nodes if n.op == "call_function" and not _is_size(n)]
     chunk: dict[fx.Node, Hashable | None] = dict.fromkeys(graph.nodes)
     chunk.update({n: (n.meta.get("custom") or {}).get(CHUNK) for n in sized})
     changed = True
@@ -149,7 +147,7 @@ def _read_sizes_early(graph: fx.Graph) -> None:
     first: dict[Any, tuple[fx.Node, int]] = {}
     for n in graph.nodes:
         val = n.meta.get("val")
-        if (n.op == "placeholder" or n.target in VIEWS) and isinstance(val, torch.Tensor):
+        if (n.op == "placeholder" or _is_view(n)) and isinstance(val, torch.Tensor):
             for dim, size in enumerate(val.shape):
                 expr = size.node.expr if isinstance(size, torch.SymInt) else None
                 if expr is not None and not expr.is_number:
@@ -168,7 +166,7 @@ def _chunks_read(graph: fx.Graph, chunk: dict[fx.Node, Hashable | None]) -> dict
     above: dict[fx.Node, frozenset] = {}
     reads: dict[Hashable, set[Hashable]] = collections.defaultdict(set)
     for n in graph.nodes:
-        above[n] = frozenset() if isinstance(n.meta.get("val"), SCALARS) else \
+        above[n] = frozenset() if _is_size(n) else \
             frozenset().union(*(above[i] | {chunk[i]} for i in n.all_input_nodes)) - {None}
         if chunk[n] is not None:
             reads[chunk[n]] |= above[n] - {chunk[n]}
@@ -176,8 +174,9 @@ def _chunks_read(graph: fx.Graph, chunk: dict[fx.Node, Hashable | None]) -> dict
 
 
 def _wait_for_previous_chunk(graph: fx.Graph, chunk: dict[fx.Node, Hashable | None], order: list[fx.Node]) -> None:
-    """Make each chunk's entry slices (slices of a tensor from outside the chunk) copies that take the
-    previous chunk's results (what it computes for nodes outside it) as inputs."""
+    """Give each chunk's computing nodes, where they read the chunk's entry slices (slices of a tensor from
+    outside the chunk) or views of them, a copy (``poros::after``) that takes the previous chunk's results
+    (what it computes for nodes outside it) as inputs."""
     position = {n: i for i, n in enumerate(order)}
     opened: list[Hashable] = []
     for n in order:
@@ -193,6 +192,8 @@ def _wait_for_previous_chunk(graph: fx.Graph, chunk: dict[fx.Node, Hashable | No
                    and isinstance(n.meta.get("val"), torch.Tensor) and chunk.get(n.args[0]) != label]
         for entry in entries:
             for source in (entry, *_views_of(entry)):
+                if not isinstance(source.meta.get("val"), torch.Tensor):
+                    continue
                 readers = [u for u in source.users if not computes_nothing(u) and u.op != "output"]
                 if not readers or any(position.get(u, len(order)) <= position[last] for u in readers):
                     continue  # read before the previous chunk ends: no order to keep
@@ -213,7 +214,7 @@ def _views_of(node: fx.Node) -> list[fx.Node]:
     frontier = [node]
     while frontier:
         for user in frontier.pop().users:
-            if user.target in VIEWS and user not in found:
+            if _is_view(user) and user not in found:
                 found.append(user)
                 frontier.append(user)
     position = {n: i for i, n in enumerate(node.graph.nodes)}
@@ -222,4 +223,12 @@ def _views_of(node: fx.Node) -> list[fx.Node]:
 
 def computes_nothing(n: fx.Node) -> bool:
     """A size or a view: it computes nothing and holds no memory of its own."""
-    return n.op == "call_function" and (isinstance(n.meta.get("val"), SCALARS) or n.target in VIEWS)
+    return n.op == "call_function" and (_is_size(n) or _is_view(n))
+
+
+def _is_size(n: fx.Node) -> bool:
+    return isinstance(n.meta.get("val"), SCALARS)
+
+
+def _is_view(n: fx.Node) -> bool:
+    return isinstance(n.target, torch._ops.OpOverload) and n.target.is_view

@@ -198,20 +198,21 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
                      f"deepens the backward only as far as half the free device memory allows (at most {LIMIT} blocks)"
                      if prefetch == AUTO else ""))
     vocabulary_chunks = loss_chunk_count(config.vocab_size, chunks)
-    _check_step(config, family, names, sizes, (1 + ahead) * window, seq_len, batch_size, accumulate, lora_r,
-                memory_budget, vocabulary_chunks if chunked_loss else None, offload_boundaries, sequence_chunks)
+    adapter = lora_bytes(config, family, lora_targets(config.model_type), lora_r)
+    layer_names = names if len(names) == config.num_hidden_layers + 2 else None  # one layer per block
+    _check_step(config, layer_names, names, sizes, (1 + ahead) * window, seq_len, batch_size, accumulate, lora_r,
+                adapter, memory_budget, vocabulary_chunks if chunked_loss else None, offload_boundaries,
+                sequence_chunks)
     if device_memory is not None:
-        _check_device_memory(config, family, names, (1 + ahead) * window, seq_len, batch_size, lora_r,
+        _check_device_memory(config, layer_names, (1 + ahead) * window, seq_len, batch_size, adapter,
                              vocabulary_chunks, device_memory)
 
 
-def _check_device_memory(config, family, names: list[str], window: int, seq_len: int, batch_size: int, lora_r: int,
-                         vocabulary_chunks: int, device_memory: int) -> None:
+def _check_device_memory(config, layer_names: Optional[list[str]], window: int, seq_len: int, batch_size: int,
+                         adapter: int, vocabulary_chunks: int, device_memory: int) -> None:
     """``check --device-memory``: the long-sequence options the estimate needs to fit, or the longest length."""
-    adapter = lora_bytes(config, family, lora_targets(config.model_type), lora_r)
     plan = long_context_plan(config, window, seq=seq_len, batch=batch_size, adapter_bytes=adapter,
-                             device_memory=device_memory, loss_chunks=vocabulary_chunks,
-                             names=names if len(names) == config.num_hidden_layers + 2 else None)
+                             device_memory=device_memory, loss_chunks=vocabulary_chunks, names=layer_names)
     flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in plan.options.items())
     where = f"seq {seq_len} in {format_bytes(device_memory)} of device memory"
     if plan.fits:
@@ -227,16 +228,14 @@ def _check_device_memory(config, family, names: list[str], window: int, seq_len:
                   "tokens are in docs/bench/long_context/README.md", soft_wrap=True, highlight=False)
 
 
-def _check_step(config, family, names: list[str], sizes: list[int], window: int, seq_len: int, batch_size: int,
-                accumulate: int, lora_r: int, memory_budget: Optional[str], loss_chunks: Optional[int] = None,
-                offload_boundaries: bool = False, sequence_chunks: int = 1) -> None:
+def _check_step(config, layer_names: Optional[list[str]], names: list[str], sizes: list[int], window: int,
+                seq_len: int, batch_size: int, accumulate: int, lora_r: int, adapter: int, memory_budget: Optional[str],
+                loss_chunks: Optional[int] = None, offload_boundaries: bool = False, sequence_chunks: int = 1) -> None:
     """``check``'s estimate of the step (compiler/estimate.py) and, with a budget, the plan it would make."""
-    adapter = lora_bytes(config, family, lora_targets(config.model_type), lora_r)
     console.print(f"LoRA targets (every linear of a decoder layer): {', '.join(lora_targets(config.model_type))}",
                   soft_wrap=True, highlight=False)
     est = step_memory(config, window, seq=seq_len, batch=batch_size, in_flight=accumulate, adapter_bytes=adapter,
-                      names=names if len(names) == config.num_hidden_layers + 2 else None,
-                      loss_chunks=loss_chunks, offload_boundaries=offload_boundaries, sequence_chunks=sequence_chunks)
+                      names=layer_names, loss_chunks=loss_chunks, offload_boundaries=offload_boundaries, sequence_chunks=sequence_chunks)
     console.print(f"estimated device memory of a streamed step (seq {seq_len}, batch {batch_size}, "
                   f"{accumulate} micro-batch(es) in flight{', block-major' if accumulate > 1 else ''}, LoRA r{lora_r} on "
                   f"every linear): {format_bytes(est.total)} = base window {format_bytes(est.base_window)} + adapter, "

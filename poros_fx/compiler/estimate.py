@@ -140,9 +140,9 @@ def long_context_plan(config: Any, window: int, *, seq: int, batch: int, adapter
     candidates: list[dict[str, Any]] = [{}]
     if loss_chunks:
         candidates.append({"chunked_loss": True})
-    longest_set = {**candidates[-1], "offload_boundaries": True}
-    candidates.append(longest_set)
-    candidates += [{**longest_set, "sequence_chunks": k} for k in CHUNK_CHOICES]
+    offloaded = {**candidates[-1], "offload_boundaries": True}
+    candidates.append(offloaded)
+    candidates += [{**offloaded, "sequence_chunks": k} for k in CHUNK_CHOICES]
 
     def estimate(options: dict[str, Any], tokens: int) -> StepMemory:
         return step_memory(config, window, seq=tokens, batch=batch, in_flight=1, adapter_bytes=adapter_bytes,
