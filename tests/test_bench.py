@@ -3,6 +3,7 @@
 Only the shape of the results is checked; no timing is ever asserted.
 """
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from train_helper import run_cli
 
 from poros_fx import bench
+from poros_fx.handles import get_store
 
 TINY = {"models": "tiny", "seqs": "32", "accums": "1", "steps": 2, "warmup": 1, "device": "cpu"}
 ROW_KEYS = {"model", "method", "block_size", "seq", "accum", "s_per_step", "peak_gb", "h2d_gbps", "floor_s",
@@ -196,6 +198,8 @@ def test_every_option_has_its_one_help_and_is_listed(capsys):
     (("--nproc", "2", "--rows", "poros:0"), "--rows: 'poros:0' is not method:nproc"),
     (("--nproc", "2", "--compile-warm"), "--compile-warm does not apply to the multi-GPU rows (--nproc)"),
     (("--worker", "other"), "--worker must be one of multi-gpu, unsloth"),
+    (("--device-memory-cap", "24GB"), "--device-memory-cap caps CUDA memory; leave it out with --device cpu"),
+    (("--nproc", "2", "--sequence-chunks", "4"), "--sequence-chunks does not apply to the multi-GPU rows"),
 ])
 def test_a_bad_option_is_one_error_line(capsys, args, says):
     code, out, err = run_cli(capsys, "bench", "--device", "cpu", "--models", "tiny", *args)
@@ -213,3 +217,29 @@ def test_saved_activation_rows_run(tmp_path):
     assert saved["error"] is None and kept["error"] is None
     # tiny: 1GB keeps every block, copied once after the plan is made; streamed, every step copies
     assert kept["resident_blocks"] > 0 and kept["copies_per_step"] < saved["copies_per_step"]
+
+
+def test_sequence_chunk_rows_trace_chunked_layers_and_give_the_model_back_whole(tmp_path):
+    """--sequence-chunks K: the streamed rows' layers run in K token chunks (the row says so), the resident
+    rows and the next run see the layers whole again."""
+    config = bench.make_config(**{**TINY, "block_sizes": "1"}, methods="poros,peft_resident", sequence_chunks=2,
+                               json_path=tmp_path / "bench.json", command="test")
+    seen = []
+    chunks_of = lambda model: get_store(model).sequence_chunks if get_store(model) is not None else None  # noqa: E731
+
+    def peft_watching(model, block_size):
+        seen.append(("resident", chunks_of(model)))
+        return bench.METHODS["peft_resident"].setup(model, block_size)
+
+    def poros_watching(model, block_size):
+        seen.append(("streamed", chunks_of(model)))
+        return bench.METHODS["poros"].setup(model, block_size)
+
+    methods = {"poros": dataclasses.replace(bench.METHODS["poros"], setup=poros_watching),
+               "peft_resident": dataclasses.replace(bench.METHODS["peft_resident"], setup=peft_watching)}
+    doc = bench.run(config, methods=methods, log=lambda s: None)
+    rows = _rows(doc)
+    assert rows[("poros", 1, 32, 1)]["error"] is None and rows[("poros", 1, 32, 1)]["sequence_chunks"] == 2
+    assert "sequence_chunks" not in rows[("peft_resident", None, 32, 1)]
+    assert seen == [("streamed", 2), ("resident", None)]
+    assert "| tiny | poros (chunks 2) | 1 | 32 | 1 |" in bench.markdown(doc)

@@ -4,6 +4,7 @@ lead's). A stand-in ``unsloth`` package (plain transformers + PEFT behind ``Fast
 calls) lets the worker process run end to end here.
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -92,15 +93,17 @@ def test_checkpoint_round_trip_and_worker_command(tmp_path):
 
     assert unsloth.checkpoint_format("qwen2.5-7b") == "bf16" and unsloth.checkpoint_format("qwen2.5-32b") == "nf4"
     spec = RowSpec("qwen2.5-7b", "unsloth_offload", None, 512, 4)
-    command = unsloth.worker_command(spec, _config(tmp_path, "unsloth_offload", unsloth_offload_layers=20),
-                                     Path("/o.json"))
+    config = dataclasses.replace(_config(tmp_path, "unsloth_offload", unsloth_offload_layers=20),
+                                 device_memory_cap="24GB")  # make_config refuses a cap on the CPU
+    command = unsloth.worker_command(spec, config, Path("/o.json"))
     # Unsloth imported before the poros-fx command line (which imports transformers), then the hidden worker
     assert command[:3] == [sys.executable, "-c", UNSLOTH_FIRST] and command[3:6] == ["bench", "--worker", "unsloth"]
     assert UNSLOTH_FIRST.index("import unsloth") < UNSLOTH_FIRST.index("poros_fx")
     args = dict(zip(command[6::2], command[7::2]))
     assert args == {"--models": "qwen2.5-7b", "--methods": "unsloth_offload", "--seqs": "512", "--accums": "4",
                     "--steps": "2", "--warmup": "1", "--device": "cpu",
-                    "--checkpoints": str(tmp_path / "ckpt"), "--json": "/o.json", "--unsloth-offload-layers": "20"}
+                    "--checkpoints": str(tmp_path / "ckpt"), "--json": "/o.json", "--unsloth-offload-layers": "20",
+                    "--device-memory-cap": "24GB"}  # the worker caps its own process as the bench caps its
 
 
 def test_unsloth_rows_run_in_their_own_process_or_skip(tmp_path, monkeypatch):

@@ -6,6 +6,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+import torch
+
 from .methods import METHODS, Method, State
 from ..errors import PorosConfigError
 from ..units import parse_size
@@ -51,6 +53,21 @@ class BenchConfig:
     checkpoints: Path = Path(DEFAULT_CHECKPOINTS)  # unsloth_*: one checkpoint folder per model under it
     unsloth_offload_layers: int | None = None  # unsloth_offload: layers swapped (None: every decoder layer)
     compile_warm: bool = False  # compiled rows: cold in a fresh Inductor cache, then warm in a second process
+    device_memory_cap: str | None = None  # every method's process may allocate this much device memory (CUDA)
+    sequence_chunks: int = 1  # streamed rows: each decoder layer in this many token chunks (prepare's option)
+
+
+def cap_device_memory(device: torch.device, cap: str | None) -> int | None:
+    """Let this process allocate at most ``cap`` (a size string) of ``device``'s memory, as a card of that size
+    would (the caching allocator raises out-of-memory past it); returns the cap in bytes."""
+    limit = parse_size(cap, "--device-memory-cap")
+    if limit is None:
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    if limit > total:
+        raise ValueError(f"--device-memory-cap {cap} is more than this device has ({total / 1e9:.1f} GB)")
+    torch.cuda.set_per_process_memory_fraction(limit / total, device)
+    return limit
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -90,6 +107,7 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                 compiled_resident: bool = False, profile_dir: str | Path | None = None, command: str = "",
                 memory_budget: str | None = None, checkpoints: str | Path = DEFAULT_CHECKPOINTS,
                 unsloth_offload_layers: int | None = None, compile_warm: bool = False,
+                device_memory_cap: str | None = None, sequence_chunks: int = 1,
                 known_methods: Mapping[str, Method] = METHODS) -> BenchConfig:
     """A checked ``BenchConfig`` from the command-line strings (shared by the CLI and ``main``)."""
     method_names = tuple(m.strip() for m in methods.split(",") if m.strip())
@@ -115,6 +133,15 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
             raise ValueError(str(e)) from None
     if unsloth_offload_layers is not None and unsloth_offload_layers < 1:
         raise ValueError(f"--unsloth-offload-layers must be >= 1, got {unsloth_offload_layers}")
+    if device_memory_cap is not None:
+        if device == "cpu":
+            raise ValueError("--device-memory-cap caps CUDA memory; leave it out with --device cpu")
+        try:
+            parse_size(device_memory_cap, "--device-memory-cap")
+        except PorosConfigError as e:
+            raise ValueError(str(e)) from None
+    if sequence_chunks < 1:
+        raise ValueError(f"--sequence-chunks must be >= 1, got {sequence_chunks}")
     json_path = Path(json_path)
     return BenchConfig(models=tuple(model_name(m) for m in models.split(",") if m.strip()), methods=method_names,
                        block_sizes=_ints(block_sizes, "block-sizes"), seqs=_ints(seqs, "seqs"),
@@ -123,7 +150,8 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                        plot_path=Path(plot_path) if plot_path else None, time_budget=time_budget,
                        compiled_resident=compiled_resident, profile_dir=Path(profile_dir) if profile_dir else None,
                        command=command, memory_budget=memory_budget, checkpoints=Path(checkpoints),
-                       unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm)
+                       unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm,
+                       device_memory_cap=device_memory_cap, sequence_chunks=sequence_chunks)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,6 +29,10 @@ HELP = {
     "checkpoints": "unsloth_*: the random-init checkpoint of each model is written (once) under DIR",
     "unsloth_offload_layers": "unsloth_offload: decoder layers Unsloth swaps from host memory (default: all)",
     "compile_warm": "compiled rows: compile_s cold (a fresh Inductor cache) and warm (a second process, same cache)",
+    "device_memory_cap": "cap the device memory of every row's process (e.g. 24GB: a 24 GB card on a larger one; "
+                         "torch.cuda.set_per_process_memory_fraction); a row past it records its out-of-memory error",
+    "sequence_chunks": "streamed poros rows: each decoder layer in this many token chunks (the sequence_chunks "
+                       "option; default 1)",
     "nproc": "several GPUs of this host instead: poros on 1 and on NPROC processes and FSDP2 with CPU offload on "
              "NPROC, each row a torchrun job (multi_bench.json, multi_bench.md and logs/ in the results folder)",
     "rows": f"rows to run instead of the default ones (e.g. poros:1,poros:4); {MULTI_ONLY}",

@@ -147,6 +147,9 @@ def markdown(doc: dict[str, Any]) -> str:
     lines += [f"    [{i}] {run_env.get('command') or '?'}" for i, run_env in enumerate(runs, 1)] + [""]
     lines += [f"Run {i} stopped early: {run_env['stopped']}" for i, run_env in enumerate(runs, 1)
               if run_env.get("stopped")]
+    lines += [f"Run {i}: every row's process capped at {run_env['device_memory_cap_gb']:g} GB of device memory "
+              "(torch.cuda.set_per_process_memory_fraction)" for i, run_env in enumerate(runs, 1)
+              if run_env.get("device_memory_cap_gb")]
     if any(r["method"].startswith("unsloth_") for r in doc["rows"]):
         lines += ["", UNSLOTH_NOTE]
     if any(r.get("first_step_warm_s") is not None or r.get("warm_process") for r in doc["rows"]):
@@ -157,7 +160,8 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         error = (r.get("error") or "").replace("|", "/")
         ratio = _fmt(r["ratio_vs_peft_resident"], 2) + ("*" if r.get("ratio_cross_run") else "")
-        lines.append(f"| {r['model']} | {r['method']} | {r['block_size'] or '-'} | {r['seq']} | {r['accum']} | "
+        method = r["method"] + (f" (chunks {r['sequence_chunks']})" if r.get("sequence_chunks") else "")
+        lines.append(f"| {r['model']} | {method} | {r['block_size'] or '-'} | {r['seq']} | {r['accum']} | "
                      f"{_fmt(r['s_per_step'], 3)} | {_fmt(r['peak_gb'], 2)} | {_sigfmt(r['h2d_gbps'])} | "
                      f"{_fmt(r['floor_s'], 3)} | {_fmt(r.get('first_step_s'), 1)} | {_fmt(r['compile_s'], 1)} | "
                      f"{_warm(r)} | {ratio} | {r.get('run') or '-'} | {error} |")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import calculate_time_spent, counters
 
-from .config import ROW_KEY, BenchConfig, RowSpec, build_config, plan
+from .config import ROW_KEY, BenchConfig, RowSpec, build_config, cap_device_memory, plan
 from .methods import METHODS, Method, State
 from .report import _label, load, md_path, plot_path, save, start_run, upsert
 from . import unsloth
@@ -25,7 +25,7 @@ from ..io.loader import estimate_host_bytes
 from ..io.loader import from_config
 from ..io.sizes import block_bytes
 from ..prepare import get_store
-from ..prepare import prepare, unprepare
+from ..prepare import prepare, set_trace_options, unprepare
 from ..options import resolve_device
 from ..stats import stats
 from .h2d import copy_seconds
@@ -143,6 +143,9 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         model.train()
+        if method.streams and config.sequence_chunks > 1:
+            set_trace_options(model, {"sequence_chunks": config.sequence_chunks})
+            row["sequence_chunks"] = config.sequence_chunks
         runner = (method.setup(model, spec.block_size, memory_budget=config.memory_budget) if method.budget
                   else method.setup(model, spec.block_size))
         optimizer = torch.optim.AdamW(params, lr=1e-4)
@@ -233,6 +236,8 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
     finally:
         if runner is not None:
             runner.teardown()
+        if method.streams and config.sequence_chunks > 1:
+            set_trace_options(model, {"sequence_chunks": 1})  # the next row traces whole layers again
         for p in params:
             p.grad = None
         runner = optimizer = batches = None  # the step closure's cells: frees the optimizer state and batches
@@ -288,6 +293,8 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
     specs, notes = plan(config, methods)
     env = environment(device)
     env["command"] = config.command
+    if config.device_memory_cap is not None:
+        env["device_memory_cap_gb"] = round(cap_device_memory(device, config.device_memory_cap) / 1e9, 3)
     for note in notes:
         log(f"note: {note}")
     log(f"bench: {len(specs)} row(s) on {env['gpu'] or device}"

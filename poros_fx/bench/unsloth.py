@@ -120,6 +120,8 @@ def worker_command(spec: RowSpec, config: BenchConfig, out: Path) -> list[str]:
                "--device", config.device, "--checkpoints", str(config.checkpoints), "--json", str(out)]
     if config.unsloth_offload_layers is not None:
         command += ["--unsloth-offload-layers", str(config.unsloth_offload_layers)]
+    if config.device_memory_cap is not None:
+        command += ["--device-memory-cap", config.device_memory_cap]
     return command
 
 

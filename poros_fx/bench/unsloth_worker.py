@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .config import BenchConfig, RowSpec
+from .config import BenchConfig, RowSpec, cap_device_memory
 
 # the worker process's code: Unsloth before anything imports transformers, then the poros-fx command line
 # (an Unsloth that fails to import is imported again by run_worker, which writes the "skipped" row)
@@ -48,6 +48,8 @@ def measure(spec: RowSpec, config: BenchConfig, checkpoint: Path,
     options = METHODS[spec.method]
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    if cuda and config.device_memory_cap is not None:
+        row["device_memory_cap_gb"] = round(cap_device_memory(device, config.device_memory_cap) / 1e9, 3)
     load_options = {}
     if options["offload"]:
         hf_config = json.loads((checkpoint / "config.json").read_text())
