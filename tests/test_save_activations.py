@@ -79,7 +79,7 @@ def test_saved_blocks_in_a_loop_of_several_lengths_equal_the_eager_loop():
     """A user's loop: lengths 7-33 and a width that is not a multiple of 64 (intermediate 100), one
     compile for every length (the batches marked dynamic, as the surfaces do), eval() with grad between
     training steps: saved blocks == the eager model throughout."""
-    shapes = [(2, 16), (1, 33), (3, 7), (2, 20)]
+    shapes = [(2, 16), (2, 33), (3, 7), (2, 20)]
 
     def loop(compiled: bool) -> list[torch.Tensor]:
         torch._dynamo.reset()
