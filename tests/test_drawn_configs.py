@@ -12,6 +12,8 @@ failure.
 
 from __future__ import annotations
 
+import functools
+
 import hypothesis
 import pytest
 import torch
@@ -25,15 +27,35 @@ SHARDS = 4  # pytest-xdist spreads the shards over its workers
 EXAMPLES_PER_SHARD = 3
 
 
+def _shard_settings(shard: int):
+    return lambda test: seed(shard)(settings(
+        max_examples=EXAMPLES_PER_SHARD, database=None, deadline=None, print_blob=False,
+        suppress_health_check=list(HealthCheck), phases=[hypothesis.Phase.generate])(given(configs("cpu"))(test)))
+
+
+@functools.cache
+def _drawn(shard: int) -> frozenset[str]:
+    """The configs a shard draws, generated only (cheap), never run."""
+    drawn = set()
+
+    @_shard_settings(shard)
+    def collect(config) -> None:
+        drawn.add(repr(config))
+
+    collect()
+    return frozenset(drawn)
+
+
 @pytest.mark.parametrize("shard", range(SHARDS))
 def test_drawn_training_runs_are_exact_or_refused(shard: int) -> None:
-    seen = []
+    seen, skipped = [], []
 
-    @seed(shard)
-    @settings(max_examples=EXAMPLES_PER_SHARD, database=None, deadline=None, print_blob=False,
-              suppress_health_check=list(HealthCheck), phases=[hypothesis.Phase.generate])
-    @given(configs("cpu"))
+    @_shard_settings(shard)
     def property_holds(config) -> None:
+        # Hypothesis draws its simplest config first under every seed: a lower shard runs it already
+        if any(repr(config) in _drawn(lower) for lower in range(shard)):
+            skipped.append(config)
+            return
         try:
             outcome = check(config, "cpu")
         except InvalidConfig:
@@ -42,7 +64,8 @@ def test_drawn_training_runs_are_exact_or_refused(shard: int) -> None:
         assert outcome.holds, f"{outcome.status}: {outcome.detail}\n{config.describe()}\n{config!r}"
 
     property_holds()
-    assert len(seen) == EXAMPLES_PER_SHARD and "equal" in seen, seen  # not a set of refusals only
+    assert len(seen) + len(skipped) == EXAMPLES_PER_SHARD, seen
+    assert "equal" in seen or skipped, seen  # not a set of refusals only (a skipped one is equal in a lower shard)
 
 
 # Found by the generator (seed 5 of `poros-fx exactness`) and not fixed yet: PorosTrainer with the Trainer's
