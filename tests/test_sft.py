@@ -105,12 +105,13 @@ def test_padded_batches_equal_sft_trainer_per_step(tmp_path, precision):
 
 
 def test_packing_equals_sft_trainer(tmp_path):
+    # two steps: a packed batch's length and sequence count change every step, and each step compiles again
     ds = datasets.Dataset.from_list(chat_records(12))
     m_plain, m_ours = model(), model()
-    plain = trl.SFTTrainer(model=m_plain, args=sft_args(tmp_path, "plain", packing=True), train_dataset=ds,
+    plain = trl.SFTTrainer(model=m_plain, args=sft_args(tmp_path, "plain", packing=True, max_steps=2), train_dataset=ds,
                            processing_class=tiny_tokenizer())
     plain.train()
-    ours = PorosSFTTrainer(model=m_ours, args=sft_args(tmp_path, "ours", packing=True), train_dataset=ds,
+    ours = PorosSFTTrainer(model=m_ours, args=sft_args(tmp_path, "ours", packing=True, max_steps=2), train_dataset=ds,
                            processing_class=tiny_tokenizer(), poros_options={"codegen": "eager"})
     ours.train()
     assert "position_ids" in next(iter(ours.get_train_dataloader()))  # packed rows, told apart by position ids
