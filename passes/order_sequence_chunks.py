@@ -197,7 +197,9 @@ def _wait_for_previous_chunk(graph: fx.Graph, chunk: dict[fx.Node, Hashable | No
                 readers = [u for u in source.users if not computes_nothing(u) and u.op != "output"]
                 if not readers or any(position.get(u, len(order)) <= position[last] for u in readers):
                     continue  # read before the previous chunk ends: no order to keep
-                with graph.inserting_after(last):
+                # after the previous chunk's last result, or after the slice where it comes later (a slice of
+                # a tensor the previous chunk's results lead to, such as the attention's output)
+                with graph.inserting_after(max(last, source, key=lambda n: position.get(n, -1))):
                     after = graph.call_function(AFTER, (source, results))
                 val = source.meta["val"]
                 with val.fake_mode:

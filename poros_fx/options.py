@@ -130,8 +130,8 @@ def _check_save_activations(name: str, value: Any) -> None:
 
 def _check_sequence_chunks(name: str, value: Any) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise PorosConfigError(f"sequence_chunks must be an integer >= 1 (token chunks each decoder layer's MLP runs "
-                               f"in, recomputed one at a time in the backward; 1: off), got {value!r}")
+        raise PorosConfigError(f"sequence_chunks must be an integer >= 1 (token chunks each decoder layer's MLP and "
+                               f"projections run in, recomputed one at a time in the backward; 1: off), got {value!r}")
 
 
 _COMPILE_ONLY = object()  # an option prepare() does not take
@@ -185,8 +185,8 @@ class PorosOptions:
         None, "the hidden states saved between blocks wait in host memory until the backward needs them "
         "(default False)", _check_optional_bool, prepare=False)
     sequence_chunks: int | None = _option(
-        None, "each decoder layer's MLP runs in this many token chunks, each recomputed on its own in the backward: "
-        "its activations take 1/K of the memory at long sequences (not the eager loop's kernels; default 1: off; "
+        None, "each decoder layer's MLP and linear projections run in this many token chunks, each recomputed on "
+        "its own in the backward: their activations take 1/K of the memory at long sequences (not the eager loop's kernels; default 1: off; "
         "docs/exactness.md)", _check_sequence_chunks, prepare=1, same_bits=False)
     save_activations: int = _option(
         0, "the last N decoder-layer blocks keep their activations for the backward instead of recomputing them "

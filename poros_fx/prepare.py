@@ -209,8 +209,8 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
     if regions:
         _make_regions(store, layers)
     elif sequence_chunks > 1:
-        raise PorosConfigError(f"sequence_chunks={sequence_chunks} runs each decoder layer's MLP in token chunks "
-                               "inside its region; prepare(..., regions=False) has no regions: leave one of the two out")
+        raise PorosConfigError(f"sequence_chunks={sequence_chunks} runs each decoder layer's MLP and projections in "
+                               "token chunks inside its region; prepare(..., regions=False) has no regions: leave one of the two out")
     store.undo.append(loss.install(lm, fam.layers.rpartition(".")[0], loss_rows, loss_chunks or (), chunked_loss,
                                    no_training_cache=fam.status == "validated"))
     store.lm_ref = weakref.ref(lm)
@@ -445,8 +445,8 @@ def set_trace_options(model: nn.Module, options: dict) -> None:
     if chunks is not None and store is not None and chunks != store.sequence_chunks:
         PorosOptions.from_dict({"sequence_chunks": chunks})
         if store.regions is None and chunks > 1:
-            raise PorosConfigError(f"sequence_chunks={chunks} runs each decoder layer's MLP in token chunks inside its "
-                                   "region; this model was prepared with regions=False")
+            raise PorosConfigError(f"sequence_chunks={chunks} runs each decoder layer's MLP and projections in token "
+                                   "chunks inside its region; this model was prepared with regions=False")
         store.sequence_chunks = chunks
         for layer in causal_lm(unwrap(model)).get_submodule(store.family.layers):
             set_layer_chunks(layer, store.family.mlp, chunks)

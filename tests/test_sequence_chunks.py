@@ -50,8 +50,11 @@ def test_streamed_equals_resident_with_chunks(family, nf4, chunks, accumulate, s
     if codegen == "inductor":  # each chunk after the first waits for the one before it, forward and backward
         region = _chunked_regions(model)[0]
         for graph in (region.forward, region.backward):
+            labels = {(n.meta.get("custom") or {}).get(CHUNK) for n in graph.graph.nodes} - {None}
+            # the MLP and q, k, v, o: five modules in chunks, each chunk a label of its own
+            assert len(labels) == 5 * chunks
             assert len({n.meta["custom"][CHUNK] for n in graph.graph.find_nodes(op="call_function", target=AFTER)}) \
-                == chunks - 1
+                == len(labels) - 1
 
 
 def test_without_dropout_chunks_differ_from_eager_only_in_rounding():
@@ -81,9 +84,10 @@ def _saved_elements(model) -> int:
     return total
 
 
-def test_chunks_save_the_mlp_input_not_its_intermediates():
-    """The intermediates (tokens x intermediate each) are recomputed, not saved: with a wide MLP the
-    chunked region saves less than half of what the unchunked one saves."""
+def test_chunks_save_the_inputs_of_the_chunked_modules_not_their_intermediates():
+    """The MLP's intermediates (tokens x intermediate each) and the adapters' (a projection's dropped input,
+    in the adapter's fp32) are recomputed, not saved: the chunked region saves less than an eighth of what the
+    unchunked one saves (with the MLP alone in chunks, about a quarter)."""
     sizes = {}
     for chunks in (1, 4):
         torch._dynamo.reset()
@@ -91,14 +95,14 @@ def test_chunks_save_the_mlp_input_not_its_intermediates():
         poros_fx.prepare(model, device="cpu", sequence_chunks=chunks)
         torch.compile(model, backend="poros")(**demo_batches(1, vocab=256, seq=16)[0]).loss.backward()
         sizes[chunks] = _saved_elements(model)
-    assert sizes[4] < sizes[1] / 2, sizes
+    assert sizes[4] < sizes[1] / 8, sizes
     # the backward runs chunk by chunk: each chunk's recompute and gradient (its nodes that compute) in one
     # run, not several chunks' recomputes side by side
     backward = _chunked_regions(model)[0].backward.graph
     labels = chunk_labels(backward)
     runs = [labels[n] for n in backward.nodes if labels[n] is not None and not computes_nothing(n)]
     runs = [label for i, label in enumerate(runs) if i == 0 or runs[i - 1] != label]
-    assert sorted(runs) == [0, 1, 2, 3], runs
+    assert sorted(runs) == list(range(5 * 4)), runs  # the MLP and q, k, v, o, four chunks each
 
 
 def test_settings_that_cannot_run_chunks_are_refused():

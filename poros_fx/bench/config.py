@@ -63,10 +63,11 @@ def cap_device_memory(device: torch.device, cap: str | None) -> int | None:
     limit = parse_size(cap, "--device-memory-cap")
     if limit is None:
         return None
-    total = torch.cuda.get_device_properties(device).total_memory
+    index = device.index if device.index is not None else torch.cuda.current_device()  # the call wants an index
+    total = torch.cuda.get_device_properties(index).total_memory
     if limit > total:
         raise ValueError(f"--device-memory-cap {cap} is more than this device has ({total / 1e9:.1f} GB)")
-    torch.cuda.set_per_process_memory_fraction(limit / total, device)
+    torch.cuda.set_per_process_memory_fraction(limit / total, index)
     return limit
 
 

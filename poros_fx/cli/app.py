@@ -154,8 +154,8 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
           chunked_loss: bool = typer.Option(False, help="estimate with the head and loss in vocabulary chunks"),
           offload_boundaries: bool = typer.Option(False, help="estimate with the boundary activations in host "
                                                   "memory"),
-          sequence_chunks: int = typer.Option(1, min=1, help="estimate with each layer's MLP in this many token "
-                                              "chunks"),
+          sequence_chunks: int = typer.Option(1, min=1, help="estimate with each layer's MLP and projections in "
+                                              "this many token chunks"),
           device_memory: Optional[str] = typer.Option(None, "--device-memory", callback=device_memory_value,
                                                       help="a device's memory (24GB): the long-sequence options "
                                                       "the step needs to fit it, or the longest length that fits")) -> None:

@@ -202,7 +202,7 @@ def _check_sequence_chunks(opts: PorosOptions, store: HostStore) -> None:
     ``prepare.set_trace_options``)."""
     if opts.sequence_chunks is not None and opts.sequence_chunks != store.sequence_chunks:
         raise PorosConfigError(f"options={{'sequence_chunks': {opts.sequence_chunks}}}, but this model's regions run "
-                               f"its MLPs in {store.sequence_chunks} chunk(s): set it when the model is prepared "
+                               f"its layers in {store.sequence_chunks} token chunk(s): set it when the model is prepared "
                                f"(prepare(..., sequence_chunks={opts.sequence_chunks})), or let @poros_fx.step, "
                                "PorosTrainer or poros-fx train set it")
 

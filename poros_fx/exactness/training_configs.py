@@ -167,7 +167,7 @@ def configs(draw: st.DrawFn, device: str = "cpu") -> TrainingConfig:
     steps = draw(st.sampled_from([2, 2, 3]))
     batch = draw(st.integers(1, 3))
     fixed = draw(st.booleans())
-    # sequence_chunks: each layer's MLP in token chunks, drawn with longer sequences (at most 48 tokens here)
+    # sequence_chunks: each layer's MLP and projections in token chunks, drawn with longer sequences (at most 48 tokens here)
     chunks = draw(st.integers(2, 4)) if draw(st.integers(0, 3)) == 0 else 1
     shortest, longest = (3, 23) if chunks == 1 else (chunks + 8, 48)
     length = draw(st.integers(shortest, longest))

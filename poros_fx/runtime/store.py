@@ -56,7 +56,7 @@ class HostStore:
         default_factory=lambda: collections.deque(maxlen=4096))
     offload_arena: OffloadArena = dataclasses.field(default_factory=OffloadArena)  # their page-locked host memory (CUDA)
     lm_ref: Any = None  # weakref to the prepared *ForCausalLM module (its chunked-loss flag, loss.py)
-    sequence_chunks: int = 1  # token chunks of each decoder layer's MLP in its region (compiler/regions/sequence_chunks.py)
+    sequence_chunks: int = 1  # token chunks of each decoder layer's MLP and projections in its region (compiler/regions/sequence_chunks.py)
     block_major: bool = True  # accumulation steps run block-major (prepare's; options={"block_major": ...} wins)
 
     # The training loop and the benchmark rows read these through the store itself.

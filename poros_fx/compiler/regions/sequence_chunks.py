@@ -1,12 +1,14 @@
-"""A region's feed-forward network a token chunk at a time, each chunk recomputed in its backward.
+"""A region's MLP and linear projections a token chunk at a time, each chunk recomputed in its backward.
 
 At long sequences a decoder layer's transient is its MLP's: gate, up, their product and the dropout
 in front of the down projection are each ``tokens x intermediate`` (at seq 65536 and a 7B shape about
-2.5 GB each), and the region's backward holds them all at once. With ``sequence_chunks=K`` the
-region's trace calls the layer's MLP (``Family.mlp``, a module applied to each token on its own) on
-``K`` slices of the sequence and concatenates the results; every node of those calls is tagged
-``MUST_RECOMPUTE`` before the min-cut partition, so the region saves only the MLP's input, and its
-backward (ordered as the autograd engine runs, ``reordering_to_mimic_autograd_engine``) recomputes one
+2.5 GB each), and the region's backward holds them all at once. Next come the adapters': each LoRA
+projection saves its dropped-out input in the adapter's fp32 and the dropout's mask (5 bytes per input
+feature and token; q, k, v and o together ~72 KB per token at a 7B shape). With ``sequence_chunks=K``
+the region's trace calls the layer's MLP (``Family.mlp``, a module applied to each token on its own)
+and every linear layer outside it on ``K`` slices of the sequence and concatenates the results; every
+node of those calls is tagged ``MUST_RECOMPUTE`` before the min-cut partition, so the region saves
+only those modules' inputs, and its backward (ordered as the autograd engine runs, ``reordering_to_mimic_autograd_engine``) recomputes one
 chunk right before that chunk's gradient. A dropout inside a chunk is replayed from the random state
 the partitioner saves for it (``run_and_save_rng_state`` / ``run_with_rng_state``).
 
@@ -34,8 +36,9 @@ chunk): ``sequence_chunks=1`` (the default) is the setting that stays equal to i
 from __future__ import annotations
 
 import copy
+import itertools
 import operator
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
@@ -43,48 +46,71 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-CHUNK = "poros_sequence_chunk"  # meta["custom"] key on the nodes of one chunk's MLP call (its index)
+CHUNK = "poros_sequence_chunk"  # meta["custom"] key on the nodes of one chunk of one module's call (its label)
 CHUNKS_ATTR = "_poros_sequence_chunks"  # on a prepared decoder layer: K (part of its region fingerprint)
 MLP_ATTR = "_poros_mlp"  # on a prepared decoder layer: the attribute name of its MLP
 
 
 class TokenChunks(nn.Module):
-    """``mlp`` applied to ``chunks`` slices of the token dimension (-2) of its one input, concatenated.
-    ``mlp`` is held, not registered: the layer's parameter names stay as they are."""
+    """``inner`` applied to ``chunks`` slices of the token dimension (-2) of its one input, concatenated;
+    chunk ``i``'s nodes are labelled ``first_label + i``. ``inner`` is held, not registered: the layer's
+    parameter names stay as they are."""
 
-    def __init__(self, mlp: nn.Module, chunks: int) -> None:
+    def __init__(self, inner: nn.Module, chunks: int, first_label: int = 0) -> None:
         super().__init__()
-        self.__dict__["inner"] = mlp
+        self.__dict__["inner"] = inner
         self.chunks = chunks
+        self.first_label = first_label
 
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        what = type(self.inner).__name__
         if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
-            raise TypeError(f"sequence_chunks: the layer calls its MLP ({type(self.inner).__name__}) with more than one "
-                            "hidden-states tensor; only an MLP applied token by token can run in chunks")
+            raise TypeError(f"sequence_chunks: the layer calls {what} with more than one hidden-states tensor; only a "
+                            "module applied token by token can run in chunks")
         tokens = hidden.shape[-2]
         outputs = []
         for i in range(self.chunks):
             start, stop = i * tokens // self.chunks, (i + 1) * tokens // self.chunks
-            with fx_traceback.annotate({CHUNK: i}):
+            with fx_traceback.annotate({CHUNK: self.first_label + i}):
                 out = self.inner(hidden[..., start:stop, :])
             if not isinstance(out, torch.Tensor):
-                raise TypeError(f"sequence_chunks: the MLP ({type(self.inner).__name__}) returned "
-                                f"{type(out).__name__}, not one tensor; only an MLP applied token by token can run in chunks")
+                raise TypeError(f"sequence_chunks: {what} returned {type(out).__name__}, not one tensor; only a "
+                                "module applied token by token can run in chunks")
             outputs.append(out)
         return torch.cat(outputs, dim=-2)
 
 
 def chunked_layer(layer: nn.Module) -> nn.Module:
-    """What a region traces for ``layer``: the layer itself, or (``sequence_chunks`` > 1) a shallow copy
-    of it whose MLP runs in token chunks. The copy shares every parameter, buffer and submodule; the
-    prepared model is not changed."""
+    """What a region traces for ``layer``: the layer itself, or (``sequence_chunks`` > 1) a shallow copy of
+    it whose MLP and every linear projection outside it (attention's q/k/v/o and the like) run in token
+    chunks. The copies share every parameter, buffer and submodule; the prepared model is not changed."""
     chunks = layer.__dict__.get(CHUNKS_ATTR, 1)
     if chunks <= 1:
         return layer
-    name = layer.__dict__[MLP_ATTR]
-    view = copy.copy(layer)
-    view.__dict__["_modules"] = {**layer._modules, name: TokenChunks(layer._modules[name], chunks)}
+    return _with_chunks(layer, chunks, layer.__dict__[MLP_ATTR], itertools.count())
+
+
+def _with_chunks(module: nn.Module, chunks: int, whole: str | None, wrapped: Iterator[int]) -> nn.Module:
+    """``module``, or a shallow copy whose child ``whole`` and whose linear layers at any depth are
+    ``TokenChunks`` (each numbered by ``wrapped``, so every chunk of the layer has a label of its own)."""
+    children = {}
+    for name, child in module._modules.items():
+        if child is not None and (name == whole or is_linear(child)):
+            child = TokenChunks(child, chunks, first_label=next(wrapped) * chunks)
+        elif child is not None:
+            child = _with_chunks(child, chunks, None, wrapped)
+        children[name] = child
+    if all(children[name] is child for name, child in module._modules.items()):
+        return module
+    view = copy.copy(module)
+    view.__dict__["_modules"] = children
     return view
+
+
+def is_linear(module: nn.Module) -> bool:
+    """A linear layer: ``nn.Linear`` (bitsandbytes' 4-bit one too), or an adapter around one (PEFT's LoRA
+    layers hold it as ``base_layer``). It maps each token's features on their own."""
+    return isinstance(getattr(module, "base_layer", module), nn.Linear)
 
 
 def tag_recompute(joint: fx.GraphModule) -> int:
