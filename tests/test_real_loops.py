@@ -67,17 +67,6 @@ def test_every_length_from_one_compile(codegen):
         assert compare(streamed, eager) == EQUAL, format_diffs("lengths vs eager", compare(streamed, eager))
 
 
-def test_a_plain_compile_recompiles_once():
-    """Without ``mark_dynamic``, Dynamo compiles the second length once more with symbolic sizes; the
-    region is not traced again, and no later length compiles."""
-    shapes = [(2, 16), (2, 24), (2, 9), (2, 40)]
-    streamed, model = run("streamed", batches_of(shapes), mark=False)
-    eager, _ = run("eager", batches_of(shapes))
-    assert compare(streamed, eager) == EQUAL
-    store = get_store(model)
-    assert len(store.schedules) == 2 and len(store.regions.regions) == 1
-
-
 def test_widths_that_are_not_multiples_of_64_with_inductor_padding():
     """Inductor pads the strides of what it computes for sizes off its alignment (CUDA's default; forced
     here on the CPU). Every output of a region keeps the strides its other graph expects: the step runs

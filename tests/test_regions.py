@@ -219,19 +219,6 @@ def test_inference_runs_the_forward_region():
     assert region.backward is None and region.layers == [0, 1]
 
 
-def test_varying_lengths_share_one_region():
-    """Every sequence length runs the one region traced for the first (its sizes are symbols): the step
-    compiles at most twice (Dynamo makes the length dynamic at the second one), and streamed equals
-    stream=False across them."""
-    lengths = [16, 24, 16, 32, 24, 40]
-    batches = [demo_batches(1, seq=s, seed=i)[0] for i, s in enumerate(lengths)]
-    streamed, resident, model = pair(layers=2, batches=batches, accumulate=1)
-    assert compare(streamed, resident) == ZERO
-    store = get_store(model)
-    assert len(store.schedules) == 2 and len(store.regions.regions) == 1
-    assert store.regions.regions[0].signature.dynamic
-
-
 def test_a_cache_object_runs_the_layers_inline():
     """A layer called with a KV cache object cannot be a region: the layers are traced into the graph,
     with a warning that says why, and the step is still exact."""
