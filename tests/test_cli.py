@@ -11,8 +11,10 @@ from train_helper import run_cli
 import torch
 
 import poros_fx
+from poros_fx.compiler.estimate import long_context_plan, long_sequence_advice
 from poros_fx.io.sizes import block_bytes, nf4_bytes
-from poros_fx.models.tiny import tiny_config, tiny_lora_model
+from poros_fx.loss import loss_chunk_count
+from poros_fx.models.tiny import qwen25_config, tiny_config, tiny_lora_model
 
 
 def words(text: str) -> str:
@@ -77,6 +79,33 @@ def test_check_device_memory_names_the_options_a_length_needs_or_the_longest_tha
     assert "does not fit" not in edge
     code, _, err = run_cli(capsys, "check", "qwen2.5-7b", "--device-memory", "lots")
     assert code == 2 and "--device-memory" in err
+
+
+@pytest.mark.parametrize("seq,measured_gb", [(32768, 5.82), (65536, 10.68), (131072, 20.39)])
+def test_check_estimates_the_measured_long_sequence_peaks(capsys, seq, measured_gb):
+    """The whole Qwen2.5-7B shape under a 24 GB cap, chunked loss + offloaded boundaries + 8 sequence chunks
+    (H100, docs/bench/long_context/cap24/): the estimate within 3% of each measured peak."""
+    code, out = check(capsys, "qwen2.5-7b", "--seq-len", str(seq), "--chunked-loss", "--offload-boundaries",
+                      "--sequence-chunks", "8")
+    estimate_gb = float(re.search(r"every linear\): ([\d.]+) GiB", out).group(1)) * 2**30 / 1e9
+    assert code == 0 and abs(estimate_gb / measured_gb - 1) < 0.03, (estimate_gb, measured_gb)
+
+
+def test_long_sequence_advice_names_the_options_or_the_longest_length():
+    """What `poros-fx train` says when a length's estimate is over the device memory: the options that make it
+    fit, or the longest length that fits with all of them."""
+    config = qwen25_config("7b")
+    window, adapter, chunks = 2**29, 160 * 2**20, loss_chunk_count(config.vocab_size, 1)  # as `check` finds them
+    advice = long_sequence_advice(config, window, seq=131072, batch=1, adapter_bytes=adapter, device_memory=24 * 10**9,
+                                  given={}, loss_chunks=chunks)
+    assert "chunked_loss=True, offload_boundaries=True, sequence_chunks=" in advice and "which fits" in advice
+    too_long = long_sequence_advice(config, window, seq=1 << 20, batch=1, adapter_bytes=adapter,
+                                    device_memory=24 * 10**9, given={"chunked_loss": True}, loss_chunks=chunks)
+    longest = int(re.search(r"about (\d+) tokens", too_long).group(1))
+    assert 131072 <= longest < 1 << 20
+    fits_at = long_context_plan(config, window, seq=longest, batch=1, adapter_bytes=adapter, device_memory=24 * 10**9,
+                                loss_chunks=chunks)
+    assert fits_at.fits
 
 
 def test_check_unknown_model_and_family(tmp_path, capsys):

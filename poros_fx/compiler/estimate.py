@@ -17,10 +17,16 @@ plain product of sizes:
 * logits: ``batch x seq x vocab`` per micro-batch in flight at 2 bytes (bf16) and 4 (the fp32 values
   the loss keeps), plus one micro-batch's fp32 gradient; with ``chunked_loss`` one vocabulary chunk's
   (``loss.py``: its bf16 and fp32 logits and their fp32 and bf16 gradients, 12 bytes a value) plus
-  one fp32 ``logsumexp`` per token and chunk for every micro-batch in flight;
+  one fp32 ``logsumexp`` per token and chunk for every micro-batch in flight; and the last hidden state
+  with its fp32 norm and fp32 gradient (10 bytes a value);
 * one layer's recomputed activations: ``batch x seq x (8 x hidden + 4 x intermediate)`` at 2 bytes
   (attention in/out and the MLP's three wide tensors, dropout masks, LoRA inputs); with
   ``sequence_chunks=K`` the MLP's wide tensors are one chunk's, ``batch x seq / K x 4 x intermediate``.
+
+The logits and the layer's activations are not alive at once (the loss's are freed before the backward
+reaches the last layer): the total takes the larger. Against the whole 7B shape under a 24 GB cap
+(H100, chunked loss, offloaded boundaries, 8 sequence chunks; docs/bench/long_context/cap24/): 32768,
+65536 and 131072 tokens measured 5.82, 10.68 and 20.39 GB, where the loss's moment is the peak.
 
 ``long_context_plan`` picks the fewest of the long-sequence options (``chunked_loss``, then
 ``offload_boundaries``, then ``sequence_chunks`` 2 to 32) under which the estimate fits a device's
@@ -44,12 +50,13 @@ class StepMemory:
     base_window: int
     adapter: int  # weights + gradients + AdamW state
     boundaries: int
-    logits: int
+    logits: int  # the head and loss's moment: logits (or one vocabulary chunk's) and the last hidden state's copies
     layer: int  # one layer's recomputed activations
 
     @property
     def total(self) -> int:
-        return self.base_window + self.adapter + self.boundaries + self.logits + self.layer
+        # the loss's logits are freed before the first layer's backward recomputes it: one of the two at a time
+        return self.base_window + self.adapter + self.boundaries + max(self.logits, self.layer)
 
 
 def lora_bytes(config: Any, family: Any, targets: list[str], r: int) -> int:
@@ -111,6 +118,7 @@ def step_memory(config: Any, window: int, *, seq: int, batch: int, in_flight: in
         logits = in_flight * tokens * vocab * (2 + 4) + tokens * vocab * 4
     else:
         logits = tokens * -(-vocab // loss_chunks) * (2 + 4 + 4 + 2) + in_flight * tokens * loss_chunks * 4
+    logits += tokens * hidden * (2 + 4 + 4)  # the last hidden state, its fp32 norm and the fp32 gradient
     return StepMemory(
         base_window=window,
         adapter=4 * adapter_bytes,
@@ -160,3 +168,26 @@ def long_context_plan(config: Any, window: int, *, seq: int, batch: int, adapter
         mid = (low + high + 1) // 2
         low, high = (mid, high) if estimate(options, mid * 1024).total <= device_memory else (low, mid - 1)
     return LongContextPlan(options, estimate(options, seq), False, low * 1024 or None)
+
+
+LONG_SEQUENCE_OPTIONS = ("chunked_loss", "offload_boundaries", "sequence_chunks")
+
+
+def long_sequence_advice(config: Any, window: int, *, seq: int, batch: int, adapter_bytes: int, device_memory: int,
+                         given: dict[str, Any], names: list[str] | None = None,
+                         loss_chunks: int | None = None) -> str:
+    """What to change when a step at ``seq`` is estimated over ``device_memory`` with the options ``given``:
+    the long-sequence options ``long_context_plan`` needs (beyond those given), or the longest length that
+    fits with all of them. One sentence, for an error message."""
+    plan = long_context_plan(config, window, seq=seq, batch=batch, adapter_bytes=adapter_bytes,
+                             device_memory=device_memory, names=names, loss_chunks=loss_chunks)
+    if plan.fits:
+        wanted = {k: v for k, v in plan.options.items() if given.get(k) in (None, False, 1) or
+                  (k == "sequence_chunks" and given.get(k, 1) < v)}
+        if wanted:
+            return (f"with {', '.join(f'{k}={v!r}' for k, v in wanted.items())} the estimate is "
+                    f"{plan.memory.total / 1e9:.1f} GB, which fits")
+    if plan.longest:
+        chosen = ", ".join(f"{k}={v!r}" for k, v in plan.options.items())
+        return f"the longest length estimated to fit is about {plan.longest} tokens (with {chosen})"
+    return "no length fits: the base window and the adapter alone exceed it"

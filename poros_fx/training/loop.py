@@ -53,7 +53,7 @@ from ..report import report
 from ..runtime.accumulate import step_context
 from ..runtime.lengths import mark_dynamic
 from ..units import format_bytes, parse_size
-from ..compiler.estimate import lora_bytes, step_memory
+from ..compiler.estimate import LONG_SEQUENCE_OPTIONS, long_sequence_advice, lora_bytes, step_memory
 from .evaluation import evaluate
 from .metrics import MetricsLog
 from .options import CONFIG_KEYS, OPTION_NAMES, TrainOptions
@@ -255,29 +255,41 @@ def _model_sha256(folder: Optional[Path]) -> Optional[str]:
 def _check_budget(o: TrainOptions, session: Session) -> None:
     """A memory budget below what the streamed step is estimated to need is refused here, before anything
     compiles (``poros-fx check`` shows the same estimate)."""
-    if o.memory_budget == AUTO:  # what the device has free: nothing to refuse before the first step
-        return
-    budget = parse_size(o.memory_budget)
+    store = get_store(session.model)
+    if o.memory_budget == AUTO and store.device.type == "cuda":  # what the device has free now, the base on the host
+        budget = torch.cuda.mem_get_info(store.device)[0]
+        given = f"the device's free memory ({format_bytes(budget)}; memory_budget auto)"
+    else:
+        budget = None if o.memory_budget == AUTO else parse_size(o.memory_budget)
+        given = f"--memory-budget {o.memory_budget} ({format_bytes(budget or 0)})"
     if budget is None:
         return
-    store = get_store(session.model)
     sizes = store.block_bytes()
     ahead = 1 if store.prefetch == AUTO else store.prefetch
     window = (1 + ahead) * max([*sizes[:-1], -(-sizes[-1] // store.head_chunks)])
     if store.device.type == "cuda":
         family = resolve(session.config.model_type)
+        adapter = lora_bytes(session.config, family, session.targets, o.lora_r)
+        loss_chunks = len(causal_lm(session.model)._poros_loss_chunks) or None  # none: the head cannot be chunked
         est = step_memory(session.config, window, seq=o.seq_len, batch=o.batch_size,
-                          in_flight=o.accumulate if o.block_major else 1,
-                          adapter_bytes=lora_bytes(session.config, family, session.targets, o.lora_r),
-                          loss_chunks=len(causal_lm(session.model)._poros_loss_chunks) if o.chunked_loss else None,
-                          offload_boundaries=o.offload_boundaries)
-        need, what = est.total, "the streamed step's estimated device memory"
+                          in_flight=o.accumulate if o.block_major else 1, adapter_bytes=adapter,
+                          loss_chunks=loss_chunks if o.chunked_loss else None,
+                          offload_boundaries=bool(o.offload_boundaries), sequence_chunks=o.sequence_chunks or 1)
+        need, what = est.total, f"the streamed step's estimated device memory at seq {o.seq_len}"
+        advice = long_sequence_advice(session.config, window, seq=o.seq_len, batch=o.batch_size, adapter_bytes=adapter,
+                                      device_memory=budget, loss_chunks=loss_chunks,
+                                      given={k: getattr(o, k) for k in LONG_SEQUENCE_OPTIONS})
     else:  # on the CPU the budget counts base bytes only (runtime/budget.py)
         need, what = window, f"the streamed base window ((1 + prefetch {ahead}) x the largest block)"
+        advice = None
     if budget < need:
-        raise PorosConfigError(f"--memory-budget {o.memory_budget} ({format_bytes(budget)}) is below {what}, "
-                               f"{format_bytes(need)}: raise it to at least that, or leave --memory-budget out to stream "
-                               f"every block (`poros-fx check` shows the estimate)")
+        if o.memory_budget == AUTO:
+            raise PorosConfigError(f"{what}, {format_bytes(need)}, is more than {given}: {advice}; "
+                                   "`poros-fx check MODEL --seq-len N --device-memory SIZE` shows the estimate")
+        raise PorosConfigError(f"{given} is below {what}, {format_bytes(need)}: raise it to at least that"
+                               + (f" ({advice})" if advice else "")
+                               + ", or leave --memory-budget out to stream every block (`poros-fx check` shows the "
+                               "estimate)")
 
 
 class Interrupted(PorosError):
