@@ -8,14 +8,14 @@ same bits. Each process also checks the chunked loss under the Inductor codegen:
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from test_distributed import _CONTEXT
 
 SCRIPT = textwrap.dedent("""
     import hashlib, json, os, torch
@@ -46,13 +46,36 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+def _run_script(out: str, err: str, env: dict[str, str]) -> None:
+    os.environ.clear()  # the test's environment, not the server's from when it started
+    os.environ.update(env)
+    for path, fd in ((out, 1), (err, 2)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    code = 0
+    try:
+        exec(compile(SCRIPT, "<test_compile_cache>", "exec"), {"__name__": "__main__"})
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _process(cache: Path, cold: bool) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+    """SCRIPT in a fresh process, forked from test_distributed.py's server (torch, transformers, peft and
+    poros_fx imported once, nothing compiled: no Dynamo or Inductor state, in memory or on disk)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1",
            "POROS_TEST_COLD": "1" if cold else "0"}
-    res = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=REPO, capture_output=True, text=True,
-                         timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    out, err = (cache.parent / f"{'cold' if cold else 'warm'}.{kind}" for kind in ("out", "err"))
+    proc = _CONTEXT.Process(target=_run_script, args=(str(out), str(err), env))
+    proc.start()
+    proc.join(900)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    assert proc.exitcode == 0, err.read_text()[-3000:]
+    return json.loads(out.read_text().strip().splitlines()[-1])
 
 
 @pytest.mark.slow
