@@ -11,7 +11,7 @@ from train_helper import run_cli
 import torch
 
 import poros_fx
-from poros_fx.compiler.estimate import long_context_plan, long_sequence_advice
+from poros_fx.compiler.estimate import LONG_SEQUENCE_OPTIONS, long_context_plan, long_sequence_advice, options_to_add
 from poros_fx.io.sizes import block_bytes, nf4_bytes
 from poros_fx.loss import loss_chunk_count
 from poros_fx.models.tiny import qwen25_config, tiny_config, tiny_lora_model
@@ -106,6 +106,19 @@ def test_long_sequence_advice_names_the_options_or_the_longest_length():
     fits_at = long_context_plan(config, window, seq=longest, batch=1, adapter_bytes=adapter, device_memory=24 * 10**9,
                                 loss_chunks=chunks)
     assert fits_at.fits
+    # `poros-fx train` turns on what the plan needs where the options were left to their defaults, never over
+    # an option given explicitly
+    plan = long_context_plan(config, window, seq=131072, batch=1, adapter_bytes=adapter, device_memory=24 * 10**9,
+                             loss_chunks=chunks)
+    defaults = dict.fromkeys(LONG_SEQUENCE_OPTIONS)
+    assert plan.fits and options_to_add(plan, defaults) == plan.options and "sequence_chunks" in plan.options
+    assert options_to_add(plan, {**defaults, "chunked_loss": False}) == {}
+    assert options_to_add(plan, {**defaults, "sequence_chunks": 1}) == {}
+    assert options_to_add(plan, {**defaults, "chunked_loss": True}) == {k: v for k, v in plan.options.items()
+                                                                          if k != "chunked_loss"}
+    short = long_context_plan(config, window, seq=512, batch=1, adapter_bytes=adapter, device_memory=24 * 10**9,
+                              loss_chunks=chunks)
+    assert short.fits and options_to_add(short, defaults) == {}  # 512 tokens fit with no option
 
 
 def test_check_unknown_model_and_family(tmp_path, capsys):

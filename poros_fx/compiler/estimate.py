@@ -173,6 +173,16 @@ def long_context_plan(config: Any, window: int, *, seq: int, batch: int, adapter
 LONG_SEQUENCE_OPTIONS = ("chunked_loss", "offload_boundaries", "sequence_chunks")
 
 
+def options_to_add(plan: LongContextPlan, given: dict[str, Any]) -> dict[str, Any]:
+    """The options of a fitting ``plan`` to turn on, where every one of them that differs from ``given`` was
+    left at its default (``None``); empty when the plan does not fit, needs nothing new, or would change an
+    option given explicitly."""
+    if not plan.fits:
+        return {}
+    added = {k: v for k, v in plan.options.items() if given.get(k) != v}
+    return added if all(given.get(k) is None for k in added) else {}
+
+
 def long_sequence_advice(config: Any, window: int, *, seq: int, batch: int, adapter_bytes: int, device_memory: int,
                          given: dict[str, Any], names: list[str] | None = None,
                          loss_chunks: int | None = None) -> str:

@@ -53,7 +53,8 @@ from ..report import report
 from ..runtime.accumulate import step_context
 from ..runtime.lengths import mark_dynamic
 from ..units import format_bytes, parse_size
-from ..compiler.estimate import LONG_SEQUENCE_OPTIONS, long_sequence_advice, lora_bytes, step_memory
+from ..compiler.estimate import (LONG_SEQUENCE_OPTIONS, long_context_plan, long_sequence_advice, lora_bytes,
+                                 options_to_add, step_memory)
 from .evaluation import evaluate
 from .metrics import MetricsLog
 from .options import CONFIG_KEYS, OPTION_NAMES, TrainOptions
@@ -210,7 +211,8 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
     if session is None:
         session = load_model(o, ranks)
     model, device = session.model, session.device
-    _check_budget(o, session)
+    added = _fit_device_memory(o, session)
+    o = dataclasses.replace(o, **added)  # the run's record keeps them: a resumed run prepares with them
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     trainable = [p for _, p in named]
@@ -220,7 +222,7 @@ def _set_up(opts: TrainOptions, session: Optional[Session], resume: Optional[Pat
                   f"trainable parameters)", soft_wrap=True, highlight=False)
     model.train()
     # several ranks: DDP with the host store ignored, all-reducing the adapter's gradients
-    options = o.step_options()
+    options = {**o.step_options(), **added}  # prepare took the others; these override what it was given
     set_trace_options(model, options)
     step_model = torch.compile(distributed.data_parallel(model) if ranks.distributed else model, backend="poros",
                                options=options)
@@ -252,9 +254,11 @@ def _model_sha256(folder: Optional[Path]) -> Optional[str]:
     return model_fingerprint(folder) if folder is not None else None
 
 
-def _check_budget(o: TrainOptions, session: Session) -> None:
+def _fit_device_memory(o: TrainOptions, session: Session) -> dict[str, Any]:
     """A memory budget below what the streamed step is estimated to need is refused here, before anything
-    compiles (``poros-fx check`` shows the same estimate)."""
+    compiles (``poros-fx check`` shows the same estimate). On CUDA, where the sequence is what does not fit
+    and the long-sequence options that would fit were left to their defaults, they are turned on and said
+    so; returns them (empty when none)."""
     store = get_store(session.model)
     if o.memory_budget == AUTO and store.device.type == "cuda":  # what the device has free now, the base on the host
         budget = torch.cuda.mem_get_info(store.device)[0]
@@ -263,7 +267,7 @@ def _check_budget(o: TrainOptions, session: Session) -> None:
         budget = None if o.memory_budget == AUTO else parse_size(o.memory_budget)
         given = f"--memory-budget {o.memory_budget} ({format_bytes(budget or 0)})"
     if budget is None:
-        return
+        return {}
     sizes = store.block_bytes()
     ahead = 1 if store.prefetch == AUTO else store.prefetch
     window = (1 + ahead) * max([*sizes[:-1], -(-sizes[-1] // store.head_chunks)])
@@ -276,9 +280,20 @@ def _check_budget(o: TrainOptions, session: Session) -> None:
                           loss_chunks=loss_chunks if o.chunked_loss else None,
                           offload_boundaries=bool(o.offload_boundaries), sequence_chunks=o.sequence_chunks or 1)
         need, what = est.total, f"the streamed step's estimated device memory at seq {o.seq_len}"
+        chosen = {k: getattr(o, k) for k in LONG_SEQUENCE_OPTIONS}
+        if need > budget and (o.accumulate == 1 or not o.block_major) and o.cuda_graphs is not True:
+            plan = long_context_plan(session.config, window, seq=o.seq_len, batch=o.batch_size, adapter_bytes=adapter,
+                                     device_memory=budget, loss_chunks=loss_chunks)
+            added = options_to_add(plan, chosen)
+            if added:
+                console.print(f"long sequence: {what} is {format_bytes(need)}, more than {given}; turning on "
+                              f"{', '.join(f'{k}={v!r}' for k, v in added.items())} (estimated "
+                              f"{format_bytes(plan.memory.total)}). They are not the eager loop's kernels "
+                              "(docs/exactness.md); give these options yourself to choose otherwise",
+                              soft_wrap=True, highlight=False)
+                return added
         advice = long_sequence_advice(session.config, window, seq=o.seq_len, batch=o.batch_size, adapter_bytes=adapter,
-                                      device_memory=budget, loss_chunks=loss_chunks,
-                                      given={k: getattr(o, k) for k in LONG_SEQUENCE_OPTIONS})
+                                      device_memory=budget, loss_chunks=loss_chunks, given=chosen)
     else:  # on the CPU the budget counts base bytes only (runtime/budget.py)
         need, what = window, f"the streamed base window ((1 + prefetch {ahead}) x the largest block)"
         advice = None
@@ -290,6 +305,7 @@ def _check_budget(o: TrainOptions, session: Session) -> None:
                                + (f" ({advice})" if advice else "")
                                + ", or leave --memory-budget out to stream every block (`poros-fx check` shows the "
                                "estimate)")
+    return {}
 
 
 class Interrupted(PorosError):
