@@ -91,6 +91,14 @@ def test_check_estimates_the_measured_long_sequence_peaks(capsys, seq, measured_
     assert code == 0 and abs(estimate_gb / measured_gb - 1) < 0.03, (estimate_gb, measured_gb)
 
 
+def test_check_says_the_host_memory_offloaded_boundaries_take(capsys):
+    """72B at 32768 tokens: 80 layers' inputs of 32768 x 8192 bf16 wait on the host, 40 GiB beside the base."""
+    code, out = check(capsys, "qwen2.5-72b", "--seq-len", "32768", "--offload-boundaries")
+    assert code == 0 and "offloaded boundaries: 40.00 GiB of page-locked host memory" in out
+    code, out = check(capsys, "qwen2.5-72b", "--seq-len", "32768")
+    assert "offloaded boundaries" not in out
+
+
 def test_long_sequence_advice_names_the_options_or_the_longest_length():
     """What `poros-fx train` says when a length's estimate is over the device memory: the options that make it
     fit, or the longest length that fits with all of them."""

@@ -244,6 +244,11 @@ def _check_step(config, layer_names: Optional[list[str]], names: list[str], size
                   f"{' (offloaded: two on the device)' if offload_boundaries else ''} + logits {format_bytes(est.logits)}"
                   f"{f' (chunked loss: one of {loss_chunks} vocabulary chunks)' if loss_chunks else ''} + one layer's recompute {format_bytes(est.layer)} (an estimate: "
                   "a memory budget plans from the first step's measured peak)", soft_wrap=True, highlight=False)
+    if offload_boundaries:
+        # every layer's input waits on the host until its backward (one per micro-batch in flight)
+        offloaded = accumulate * config.num_hidden_layers * batch_size * seq_len * config.hidden_size * 2
+        console.print(f"offloaded boundaries: {format_bytes(offloaded)} of page-locked host memory, next to the base's "
+                      f"{format_bytes(sum(sizes))}", soft_wrap=True, highlight=False)
     if memory_budget is None:
         return
     if memory_budget == AUTO:
