@@ -58,6 +58,11 @@ class OffloadArena:
         self.used = self.round_bytes = self.overflow_bytes = 0
         if self.most_bytes and (self.buffer is None or self.buffer.numel() < self.most_bytes):
             self.buffer = None  # the old one goes back before the larger one is page-locked
+            # and so do the last round's overflow copies, which torch's pinned caching allocator would keep
+            # page-locked beside the new buffer (at 72B and 32768 tokens, 40 GiB twice)
+            empty_host_cache = getattr(torch.accelerator, "empty_host_cache", None)  # where this torch has it
+            if empty_host_cache is not None:
+                empty_host_cache()
             self.buffer = torch.empty(self.most_bytes, dtype=torch.uint8, pin_memory=True)
             self.allocations += 1
 
