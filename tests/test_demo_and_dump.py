@@ -49,13 +49,15 @@ def test_dump_writes_graphs_and_schedule(tmp_path):
     assert (folder / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_timeline_data_follows_the_schedule():
+def test_timeline_data_follows_the_schedule_and_the_environment_asks_for_a_dump(tmp_path, monkeypatch):
     from poros_fx.prepare import get_store
     from poros_fx.compiler.timeline import build
 
+    monkeypatch.setenv("POROS_FX_DUMP", str(tmp_path))  # a dump without the option
     model = tiny_lora_model("qwen2", layers=3)
     poros_fx.prepare(model, device="cpu", prefetch=1)
     torch.compile(model, backend="poros")(**demo_batches(1)[0], use_cache=False).loss.backward()
+    assert (next(tmp_path.iterdir()) / "schedule.txt").exists()
     (schedule,) = get_store(model).schedules
     tl = build(schedule)
     assert len(tl.loads) == poros_fx.stats(model)["loads"]  # one step: every load the ledger saw is drawn
@@ -67,13 +69,6 @@ def test_timeline_data_follows_the_schedule():
     # in the backward, layer blocks are recomputed in reverse order
     starts = {b: s for b, k, s, _ in sorted(tl.spans, key=lambda x: -x[2]) if k == "recompute"}
     assert starts[3] < starts[2] < starts[1]
-
-
-def test_dump_from_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv("POROS_FX_DUMP", str(tmp_path))
-    model = poros_fx.prepare(tiny_lora_model("qwen2", layers=1), device="cpu")
-    torch.compile(model, backend="poros")(**demo_batches(1)[0], use_cache=False).loss.backward()
-    assert (next(tmp_path.iterdir()) / "schedule.txt").exists()
 
 
 def test_compiling_says_where_it_is(caplog):
