@@ -65,6 +65,12 @@ VALIDATED: types.MappingProxyType[str, Family] = types.MappingProxyType({f.model
     # Gemma 4 text: sliding and full layers of different shapes, per-layer embeddings and KV sharing
     # (keys and values cross layers as region outputs), keys equal to values, double-wide MLP
     _validated("gemma4_text", "tests/test_families.py", embed_extras=GEMMA4_EMBED_EXTRAS),
+    # mixture-of-experts: fused 3-D expert parameters (streamed with the layer, bf16 or fp32 as loaded),
+    # the router and its top-k inside the region; LoRA on the attention (Qwen3.5-MoE: and the shared expert)
+    _validated("qwen3_moe", "tests/test_families.py"),
+    _validated("mixtral", "tests/test_families.py"),
+    _validated("gpt_oss", "tests/test_families.py"),  # attention sinks: eager attention
+    _validated("qwen3_5_moe_text", "tests/test_families.py"),  # Gated DeltaNet + MoE with a shared expert
 )})
 
 

@@ -483,8 +483,10 @@ def known_eager_difference(config: TrainingConfig) -> bool:
       DeltaNet projection, ~1e-9);
     - LoRA on Qwen3.5's Gated DeltaNet ``in_proj_qkv`` (the projection feeding its causal convolution):
       the adapter's weights after a step, ~1e-7, found with accumulation 2 (any accumulation is set aside
-      until the cause is known)."""
-    if config.shape.family != "qwen3_5_text":
+      until the cause is known).
+
+    Qwen3.5-MoE has the same Gated DeltaNet layers: both are set aside for it too."""
+    if config.shape.family not in ("qwen3_5_text", "qwen3_5_moe_text"):
         return False
     return ((config.surface in ("trainer", "sft") and config.autocast and config.dropout > 0)
             or "in_proj_qkv" in config.targets)

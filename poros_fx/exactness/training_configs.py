@@ -24,7 +24,11 @@ from hypothesis import strategies as st
 
 from ..models.tiny import FAMILY_TARGETS
 
-FAMILIES = ("qwen2", "llama", "mistral", "qwen3", "gemma3_text", "phi3", "qwen3_5_text", "gemma4_text")
+FAMILIES = ("qwen2", "llama", "mistral", "qwen3", "gemma3_text", "phi3", "qwen3_5_text", "gemma4_text",
+            "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text")
+# mixture-of-experts families and the config key of their expert count
+EXPERT_COUNT = {"qwen3_moe": "num_experts", "qwen3_5_moe_text": "num_experts", "mixtral": "num_local_experts",
+                "gpt_oss": "num_local_experts"}
 SURFACES = ("compile", "step", "trainer", "sft")
 BASES = ("fp32", "bf16", "nf4", "nf4-nested")
 # head dims of the form 2 * odd (rotary embeddings need an even one): heads * head_dim is never a
@@ -122,10 +126,24 @@ def shapes(draw: st.DrawFn) -> Shape:
     hidden = heads * head_dim
     # not a multiple of 8: an odd number past the hidden size
     intermediate = draw(st.integers(hidden // 2, 3 * hidden).map(lambda n: n | 1))
+    if family in EXPERT_COUNT:
+        # transformers' grouped expert matmul (torch._grouped_mm) takes 16-byte strides only, in the eager
+        # model too: expert widths and the hidden size a multiple of 8 (bf16)
+        head_dim = draw(st.sampled_from([8, 16]))
+        hidden = heads * head_dim
+        intermediate = -(-intermediate // 8) * 8
     vocab = draw(st.integers(67, 211).map(lambda n: n | 1))
     layers = draw(st.integers(2, 3))
     config: dict[str, Any] = {}
-    if family == "qwen3_5_text":
+    if family in EXPERT_COUNT:  # each token through top-k of the experts (k may be all of them)
+        experts = draw(st.integers(2, 5))
+        config[EXPERT_COUNT[family]] = experts
+        config["num_experts_per_tok"] = draw(st.integers(1, min(3, experts)))
+    if family == "gpt_oss":
+        config["layer_types"] = tuple(draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]),
+                                                    min_size=layers, max_size=layers)))
+        config["sliding_window"] = draw(st.sampled_from([5, 9]))
+    if family in ("qwen3_5_text", "qwen3_5_moe_text"):
         # Gated DeltaNet and gated full attention layers in any order (the real models: three to one)
         config["layer_types"] = tuple(draw(st.lists(st.sampled_from(["linear_attention", "full_attention"]),
                                                     min_size=layers, max_size=layers)))

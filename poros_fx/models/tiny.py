@@ -27,11 +27,20 @@ QWEN3_5_TARGETS = (*TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a
 # layer with attention_k_eq_v has no v_proj; PEFT then finds six in that layer)
 GEMMA4_TARGETS = TARGETS
 
+# Mixture-of-experts families: the attention's four projections (and Qwen3.5-MoE's shared expert's three).
+# Their experts are 3-D parameters named like the dense MLP's linears (experts.gate_up_proj, experts.down_proj),
+# which PEFT would adapt as parameters (target_parameters) if these names were given bare; the routers are
+# not adapted
+MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+QWEN3_5_MOE_TARGETS = (*MOE_TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+                       "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
+
 # LoRA on every linear of a decoder layer, per model_type
 FAMILY_TARGETS: types.MappingProxyType[str, tuple[str, ...]] = types.MappingProxyType({
     "qwen2": TARGETS, "llama": TARGETS, "mistral": TARGETS, "qwen3": TARGETS, "gemma3_text": TARGETS,
     "phi3": FUSED_TARGETS, "qwen3_5_text": QWEN3_5_TARGETS, "qwen3_5": QWEN3_5_TARGETS,
-    "gemma4_text": GEMMA4_TARGETS,
+    "gemma4_text": GEMMA4_TARGETS, "qwen3_moe": MOE_TARGETS, "mixtral": MOE_TARGETS, "gpt_oss": MOE_TARGETS,
+    "qwen3_5_moe_text": QWEN3_5_MOE_TARGETS,
 })
 
 _CONFIGS: types.MappingProxyType[str, type] = types.MappingProxyType({
@@ -43,7 +52,12 @@ _CONFIGS: types.MappingProxyType[str, type] = types.MappingProxyType({
     "phi3": transformers.Phi3Config,
     "qwen3_5_text": transformers.Qwen3_5TextConfig,
     "gemma4_text": transformers.Gemma4TextConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
+    "mixtral": transformers.MixtralConfig,
+    "gpt_oss": transformers.GptOssConfig,
+    "qwen3_5_moe_text": transformers.Qwen3_5MoeTextConfig,
 })
+EXPERTS, EXPERTS_PER_TOKEN = 4, 2  # the tiny mixture-of-experts configs' (each token's two of four)
 
 
 def lora_targets(model_type: str) -> list[str]:
@@ -64,13 +78,29 @@ def tiny_config(family: str = "qwen2", *, layers: int = 3, hidden: int = 64, hea
                   num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                   max_position_embeddings=256, tie_word_embeddings=tie_word_embeddings,
                   attention_dropout=attention_dropout)
-    if family in ("qwen3", "gemma3_text", "qwen3_5_text", "gemma4_text"):
+    if family in ("qwen3", "gemma3_text", "qwen3_5_text", "gemma4_text", "qwen3_moe", "gpt_oss", "qwen3_5_moe_text"):
         kwargs["head_dim"] = hidden // heads
     if family == "gemma3_text":
         # both attention kinds, and a window shorter than the test sequences so the sliding mask matters
         kwargs.update(sliding_window=8, layer_types=[("full_attention" if i % 2 else "sliding_attention")
                                                      for i in range(layers)])
-    if family == "qwen3_5_text":
+    expert_width = intermediate or 2 * hidden
+    if family == "qwen3_moe":  # every layer sparse
+        kwargs.update(moe_intermediate_size=expert_width, num_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN,
+                      mlp_only_layers=[], decoder_sparse_step=1)
+    if family == "mixtral":  # intermediate_size is each expert's width
+        kwargs.update(num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN)
+    if family == "gpt_oss":
+        # sliding and full layers as in the real models; transformers runs its attention sinks with eager
+        # attention only (no SDPA path)
+        kwargs.update(num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, sliding_window=8,
+                      max_position_embeddings=32 * 4096,  # its YaRN factor 32 over 4096 original positions
+                      layer_types=[("full_attention" if i % 2 else "sliding_attention") for i in range(layers)])
+        attn = "eager" if attn == "sdpa" else attn
+    if family == "qwen3_5_moe_text":
+        kwargs.update(moe_intermediate_size=expert_width, shared_expert_intermediate_size=expert_width + 8,
+                      num_experts=EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN)
+    if family in ("qwen3_5_text", "qwen3_5_moe_text"):
         # three Gated DeltaNet layers to one gated full-attention layer (the real models' pattern), the
         # last layer full as in the real models (two layers: one of each)
         kwargs.update(linear_key_head_dim=hidden // heads, linear_value_head_dim=hidden // heads,
