@@ -49,9 +49,10 @@ def test_smoke_run_writes_json_markdown_and_plot(tmp_path):
     on_disk = json.loads((tmp_path / "bench.json").read_text())
     assert on_disk["rows"] == doc["rows"]
     env = on_disk["env"]
-    for key in ("device", "gpu", "torch", "transformers", "peft", "bitsandbytes", "pinned_h2d_gbps", "commands"):
+    for key in ("device", "gpu", "torch", "transformers", "peft", "bitsandbytes", "pinned_h2d_gbps", "pinned_d2h_gbps",
+                "commands"):
         assert key in env
-    assert env["device"] == "cpu" and env["gpu"] is None and env["pinned_h2d_gbps"] is None
+    assert env["device"] == "cpu" and env["gpu"] is None and env["pinned_h2d_gbps"] is None and env["pinned_d2h_gbps"] is None
     rows = _rows(doc)
     assert set(rows) == {("peft_resident", None, 32, 1), ("poros", 1, 32, 1)}
     for r in doc["rows"]:

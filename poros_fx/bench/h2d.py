@@ -65,6 +65,21 @@ def copy_seconds(host: torch.Tensor, device: torch.device, reps: int,
     return times
 
 
+def copy_back_seconds(host: torch.Tensor, device: torch.device, reps: int) -> list[float]:
+    """Wall seconds of ``reps`` asynchronous device-to-host copies into ``host`` (page-locked; one warm-up
+    first): the direction offloaded boundaries take."""
+    dev = torch.zeros(host.shape, dtype=host.dtype, device=device)
+    host.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def _gbps(nbytes: int, times: list[float]) -> float:
     return nbytes / statistics.median(times) / 1e9
 

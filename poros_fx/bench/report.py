@@ -134,7 +134,7 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = ["# poros-fx bench", "",
              (f"Device: {env.get('gpu') or env.get('device')}; torch {env.get('torch')}, transformers "
              f"{env.get('transformers')}, peft {env.get('peft')}, bitsandbytes {env.get('bitsandbytes')}; pinned H2D "
-             f"{_fmt(env.get('pinned_h2d_gbps'), 1)} GB/s. {_shapes(doc['rows'])}, NF4 base, LoRA r16 alpha 32 "
+             f"{_fmt(env.get('pinned_h2d_gbps'), 1)} GB/s (device to host {_fmt(env.get('pinned_d2h_gbps'), 1)}). {_shapes(doc['rows'])}, NF4 base, LoRA r16 alpha 32 "
              "on every linear of a decoder layer, AdamW, batch 1. s/step: median after warm-up; peak: "
              "max_memory_allocated (CUDA graph rows: the timed steps' plus the graphs' pool, which replays write "
              "unseen by it); "

@@ -28,16 +28,19 @@ from ..prepare import get_store
 from ..prepare import prepare, set_trace_options, unprepare
 from ..options import resolve_device
 from ..stats import stats
-from .h2d import copy_seconds
+from .h2d import copy_back_seconds, copy_seconds
 from .profiling import profile_step
 from ..models.tiny import lora_targets
 
 
-def measure_pinned_h2d(device: str | torch.device = "cuda", mib: int = 512, reps: int = 5) -> float:
-    """Pinned host-to-device copy bandwidth in GB/s (median of ``reps`` copies of ``mib`` MiB)."""
+def measure_pinned_h2d(device: str | torch.device = "cuda", mib: int = 512, reps: int = 5,
+                       back: bool = False) -> float:
+    """Pinned host-to-device copy bandwidth in GB/s (median of ``reps`` copies of ``mib`` MiB); ``back``:
+    device-to-host instead."""
 
     host = torch.empty(mib * 2**20, dtype=torch.uint8, pin_memory=True)
-    return host.numel() / statistics.median(copy_seconds(host, torch.device(device), reps)) / 1e9
+    seconds = (copy_back_seconds if back else copy_seconds)(host, torch.device(device), reps)
+    return host.numel() / statistics.median(seconds) / 1e9
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -54,6 +57,7 @@ def environment(device: torch.device) -> dict[str, Any]:
     env["gpu"] = torch.cuda.get_device_name(device) if cuda else None
     env["cuda"] = torch.version.cuda if cuda else None
     env["pinned_h2d_gbps"] = round(measure_pinned_h2d(device), 2) if cuda else None
+    env["pinned_d2h_gbps"] = round(measure_pinned_h2d(device, back=True), 2) if cuda else None
     return env
 
 
