@@ -80,6 +80,16 @@ def test_lora_on_expert_parameters_is_refused_at_prepare():
         poros_fx.prepare(model, device="cpu")
 
 
+def test_router_logits_are_refused_before_the_first_step():
+    """transformers records a mixture of experts' router logits with hooks a compiled region does not run: a
+    config that asks for them (TRL's SFTTrainer sets it for the auxiliary loss) is refused at compile."""
+    model = tiny_lora_model("mixtral", layers=1)
+    model.config.output_router_logits = True
+    poros_fx.prepare(model, device="cpu")
+    with pytest.raises(Exception, match="output_router_logits=True in the model's config .* not supported yet"):
+        torch.compile(model, backend="poros")(**demo_batches(1, seq=8)[0])
+
+
 def test_gemma3_tiny_config_exercises_its_features():
     """The parity case above covers what sets Gemma 3 apart: both attention kinds with a window shorter
     than the sequence, a scaled embedding tied to lm_head, the pre/post feed-forward norms."""

@@ -32,7 +32,7 @@ from ..step import step as poros_step
 from .parity import Trace, compare, optimizer_step
 from ..models.tiny import add_lora, base_model, tiny_config
 from ..models.tiny_tokenizer import chat_records, tiny_tokenizer
-from .training_configs import TrainingConfig
+from .training_configs import EXPERT_COUNT, TrainingConfig
 
 MODES = ("streamed", "stream=False", "eager")
 SFT_VOCAB = 321  # above the tiny tokenizer's 300 tokens
@@ -417,6 +417,8 @@ def train_sft(config: TrainingConfig, mode: str, device: torch.device, trace: Tr
     d = config.data
     records = chat_records(config.steps * config.accumulate * d.batch + 2)
     extra = {"assistant_only_loss": d.ignored, "packing": d.padding == "left", "max_length": 24 + 4 * len(d.lengths)}
+    if config.shape.family in EXPERT_COUNT:  # the router's auxiliary loss is refused (compiler/backend.py)
+        extra["router_aux_loss_coef"] = 0.0
     model = build(config)
     cls = trl.SFTTrainer if mode == "eager" else PorosSFTTrainer
     kwargs = {} if mode == "eager" else {"poros_options": {**poros_options(config, mode, base_bytes(config)),
