@@ -8,14 +8,12 @@ same bits. Each process also checks the chunked loss under the Inductor codegen:
 
 import json
 import os
-import sys
 import textwrap
-import traceback
 from pathlib import Path
 
 import pytest
 
-from test_distributed import _CONTEXT
+from forked_helper import run_forked
 
 SCRIPT = textwrap.dedent("""
     import hashlib, json, os, torch
@@ -46,20 +44,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run_script(out: str, err: str, env: dict[str, str]) -> None:
-    os.environ.clear()  # the test's environment, not the server's from when it started
-    os.environ.update(env)
-    for path, fd in ((out, 1), (err, 2)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    code = 0
-    try:
-        exec(compile(SCRIPT, "<test_compile_cache>", "exec"), {"__name__": "__main__"})
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+def _run_script() -> None:
+    exec(compile(SCRIPT, "<test_compile_cache>", "exec"), {"__name__": "__main__"})
 
 
 def _process(cache: Path, cold: bool) -> dict:
@@ -68,13 +54,8 @@ def _process(cache: Path, cold: bool) -> dict:
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1",
            "POROS_TEST_COLD": "1" if cold else "0"}
     out, err = (cache.parent / f"{'cold' if cold else 'warm'}.{kind}" for kind in ("out", "err"))
-    proc = _CONTEXT.Process(target=_run_script, args=(str(out), str(err), env))
-    proc.start()
-    proc.join(900)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    assert proc.exitcode == 0, err.read_text()[-3000:]
+    code = run_forked(_run_script, env, str(out), str(err), timeout=900)
+    assert code == 0, err.read_text()[-3000:]
     return json.loads(out.read_text().strip().splitlines()[-1])
 
 
