@@ -104,11 +104,12 @@ def test_long_sequence_advice_names_the_options_or_the_longest_length():
     fit, or the longest length that fits with all of them."""
     config = qwen25_config("7b")
     window, adapter, chunks = 2**29, 160 * 2**20, loss_chunk_count(config.vocab_size, 1)  # as `check` finds them
-    advice = long_sequence_advice(config, window, seq=131072, batch=1, adapter_bytes=adapter, device_memory=24 * 10**9,
-                                  given={}, loss_chunks=chunks)
+    advice = long_sequence_advice(long_context_plan(config, window, seq=131072, batch=1, adapter_bytes=adapter,
+                                                    device_memory=24 * 10**9, loss_chunks=chunks), {})
     assert "chunked_loss=True, offload_boundaries=True, sequence_chunks=" in advice and "which fits" in advice
-    too_long = long_sequence_advice(config, window, seq=1 << 20, batch=1, adapter_bytes=adapter,
-                                    device_memory=24 * 10**9, given={"chunked_loss": True}, loss_chunks=chunks)
+    too_long = long_sequence_advice(long_context_plan(config, window, seq=1 << 20, batch=1, adapter_bytes=adapter,
+                                                      device_memory=24 * 10**9, loss_chunks=chunks),
+                                    {"chunked_loss": True})
     longest = int(re.search(r"about (\d+) tokens", too_long).group(1))
     assert 131072 <= longest < 1 << 20
     fits_at = long_context_plan(config, window, seq=longest, batch=1, adapter_bytes=adapter, device_memory=24 * 10**9,

@@ -183,14 +183,10 @@ def options_to_add(plan: LongContextPlan, given: dict[str, Any]) -> dict[str, An
     return added if all(given.get(k) is None for k in added) else {}
 
 
-def long_sequence_advice(config: Any, window: int, *, seq: int, batch: int, adapter_bytes: int, device_memory: int,
-                         given: dict[str, Any], names: list[str] | None = None,
-                         loss_chunks: int | None = None) -> str:
-    """What to change when a step at ``seq`` is estimated over ``device_memory`` with the options ``given``:
-    the long-sequence options ``long_context_plan`` needs (beyond those given), or the longest length that
-    fits with all of them. One sentence, for an error message."""
-    plan = long_context_plan(config, window, seq=seq, batch=batch, adapter_bytes=adapter_bytes,
-                             device_memory=device_memory, names=names, loss_chunks=loss_chunks)
+def long_sequence_advice(plan: LongContextPlan, given: dict[str, Any]) -> str:
+    """What to change when a step is estimated over the device memory with the options ``given``: the
+    long-sequence options ``plan`` (``long_context_plan``'s for that length and memory) needs beyond those
+    given, or the longest length that fits with all of them. One sentence, for an error message."""
     if plan.fits:
         wanted = {k: v for k, v in plan.options.items() if given.get(k) in (None, False, 1) or
                   (k == "sequence_chunks" and given.get(k, 1) < v)}

@@ -271,6 +271,7 @@ def _fit_device_memory(o: TrainOptions, session: Session) -> dict[str, Any]:
     sizes = store.block_bytes()
     ahead = 1 if store.prefetch == AUTO else store.prefetch
     window = (1 + ahead) * max([*sizes[:-1], -(-sizes[-1] // store.head_chunks)])
+    advice = None  # on CUDA, where it does not fit: the options or the length that would
     if store.device.type == "cuda":
         family = resolve(session.config.model_type)
         adapter = lora_bytes(session.config, family, session.targets, o.lora_r)
@@ -280,11 +281,14 @@ def _fit_device_memory(o: TrainOptions, session: Session) -> dict[str, Any]:
                           loss_chunks=loss_chunks if o.chunked_loss else None,
                           offload_boundaries=bool(o.offload_boundaries), sequence_chunks=o.sequence_chunks or 1)
         need, what = est.total, f"the streamed step's estimated device memory at seq {o.seq_len}"
-        chosen = {k: getattr(o, k) for k in LONG_SEQUENCE_OPTIONS}
-        if need > budget and (o.accumulate == 1 or not o.block_major) and o.cuda_graphs is not True:
+        if need > budget:
+            chosen = {k: getattr(o, k) for k in LONG_SEQUENCE_OPTIONS}
             plan = long_context_plan(session.config, window, seq=o.seq_len, batch=o.batch_size, adapter_bytes=adapter,
                                      device_memory=budget, loss_chunks=loss_chunks)
-            added = options_to_add(plan, chosen)
+            advice = long_sequence_advice(plan, chosen)
+            # the plan counts one micro-batch in flight, and its options turn CUDA graphs off
+            fits_plan = (o.accumulate == 1 or not o.block_major) and o.cuda_graphs is not True
+            added = options_to_add(plan, chosen) if fits_plan else {}
             if added:
                 console.print(f"long sequence: {what} is {format_bytes(need)}, more than {given}; turning on "
                               f"{', '.join(f'{k}={v!r}' for k, v in added.items())} (estimated "
@@ -292,11 +296,8 @@ def _fit_device_memory(o: TrainOptions, session: Session) -> dict[str, Any]:
                               "(docs/exactness.md); give these options yourself to choose otherwise",
                               soft_wrap=True, highlight=False)
                 return added
-        advice = long_sequence_advice(session.config, window, seq=o.seq_len, batch=o.batch_size, adapter_bytes=adapter,
-                                      device_memory=budget, loss_chunks=loss_chunks, given=chosen)
     else:  # on the CPU the budget counts base bytes only (runtime/budget.py)
         need, what = window, f"the streamed base window ((1 + prefetch {ahead}) x the largest block)"
-        advice = None
     if budget < need:
         if o.memory_budget == AUTO:
             raise PorosConfigError(f"{what}, {format_bytes(need)}, is more than {given}: {advice}; "
