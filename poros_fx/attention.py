@@ -17,7 +17,10 @@ costs no device sync per layer. With no padding mask (transformers then composes
 from the position ids, which it cannot read under compile) the pair is ``(sequence numbers, one
 sequence per row)``: each token's sequence, ``[batch, length]``, read off one diagonal of the mask
 function, and the masked branch builds the mask from them, so a step whose rows hold one sequence each
-never makes the ``[batch, 1, length, length]`` mask (4.3 GB at 65536 tokens). Graph, per attention (``q`` query, ``pred`` on the CPU)::
+never makes the ``[batch, 1, length, length]`` mask (4.3 GB at 65536 tokens). A call that passes no
+position ids, padding mask or cache at all (the prepared causal LM then adds ``ONE_SEQUENCE_PER_ROW``
+to the layers' keywords) has one sequence per row by construction: its attention calls the
+``is_causal`` kernel directly, with no cond (and none of the masked kernel's tracing). Graph, per attention (``q`` query, ``pred`` on the CPU)::
 
     before:  sdpa = aten.scaled_dot_product_attention(q, repeat_kv(k), repeat_kv(v), attn_mask=mask)
     after:   cond = higher_order.cond(pred, true_graph, false_graph, (q, k, v, mask))
@@ -43,6 +46,10 @@ ATTENTION_DROPOUT_MESSAGE = (
 OVERLAY_MESSAGE = ("poros_sdpa: this model's causal mask lets a token attend to a later one (a bidirectional "
                    "block overlay); train it with attn_implementation='eager'")
 NAME = "poros_sdpa"  # the attention implementation a prepared model's config names
+# a layer-call keyword the prepared causal LM adds when its call gave no position ids, padding mask or
+# cache: the model then numbers each row's tokens 0..n-1 itself, so every row is one sequence and eager
+# runs the ``is_causal`` kernel; the attention calls it directly instead of tracing both kernels in a cond
+ONE_SEQUENCE_PER_ROW = "poros_one_sequence_per_row"
 WRAPS = "sdpa"  # the implementation it stands in for
 
 
@@ -188,9 +195,12 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     eager would have run, chosen by ``torch.cond`` on ``skip``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    one_sequence_per_row = kwargs.pop(ONE_SEQUENCE_PER_ROW, False)
     if not isinstance(attention_mask, tuple):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     full_mask, skip = attention_mask
+    if one_sequence_per_row and full_mask.dim() == 2:  # sequence numbers of the model's own positions
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
 
     # cond wants both branches' gradients in one layout; the kernels give theirs in their own (the
     # masked one's come back contiguous through repeat_kv), so each branch hands them over as

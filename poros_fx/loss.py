@@ -36,6 +36,7 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import attention
 from .errors import PorosConfigError
 
 Rows = Callable[[int, int], "tuple[torch.Tensor, torch.Tensor | None]"]
@@ -124,7 +125,10 @@ def eager_rows(head: nn.Linear) -> Rows:
 # -- the prepared causal LM's forward --------------------------------------------------------------
 
 LM_ATTRS = ("_poros_chunked_loss", "_poros_loss_chunks", "_poros_loss_rows", "_poros_lm_class", "_poros_lm_params",
-            "_poros_decoder", "_poros_no_training_cache")
+            "_poros_decoder", "_poros_no_training_cache", "_poros_lm_keywords")
+# what a call may carry and still number each row's tokens 0..n-1 as one sequence (attention.ONE_SEQUENCE_PER_ROW)
+ONE_SEQUENCE_KEYS = frozenset({"input_ids", "inputs_embeds", "labels", "use_cache", "num_items_in_batch",
+                               "logits_to_keep", "return_dict", "shift_labels"})
 
 
 def chunkable_head(head: nn.Module | None) -> bool:
@@ -155,6 +159,8 @@ def install(lm: nn.Module, decoder: str, rows: Rows | None,
     lm._poros_loss_chunks = chunks
     lm._poros_chunked_loss = False
     lm._poros_no_training_cache = no_training_cache
+    lm._poros_lm_keywords = any(p.kind is inspect.Parameter.VAR_KEYWORD
+                                for p in inspect.signature(original.forward).parameters.values())
     set_chunked_loss(lm, chunked_loss)
 
     def undo() -> None:
@@ -185,6 +191,9 @@ def _causal_lm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # a training step reads no cache; building one (transformers' default) breaks Dynamo's graph at
         # a sliding-window layer and keeps the decoder layers from running as regions
         kwargs["use_cache"] = False
+    if (self._poros_lm_keywords and getattr(self.config, "_attn_implementation", None) == attention.NAME
+            and all(value is None or key in ONE_SEQUENCE_KEYS for key, value in kwargs.items())):
+        kwargs[attention.ONE_SEQUENCE_PER_ROW] = True
     if not self._poros_chunked_loss or not torch.is_grad_enabled() or kwargs.get("logits_to_keep", 0) != 0:
         return original(self, **kwargs)
     labels = kwargs.pop("labels", None)
