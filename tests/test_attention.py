@@ -175,3 +175,21 @@ def test_packed_sequences_are_read_off_one_diagonal_and_give_the_mask_transforme
         assert bool(one_sequence) == (rows in ([1], [1, 1]))
     with pytest.raises(RuntimeError, match="bidirectional"):
         attention._sequence_indices(or_masks(composed, lambda b, h, q, kv: kv == q + 1), 1, 9, "cpu")
+
+
+def test_a_call_without_position_ids_or_mask_traces_no_cond():
+    """A step that passes neither position ids nor a padding mask has one sequence per row, as eager
+    sees it: its region calls the ``is_causal`` kernel with no ``torch.cond``; packed position ids
+    (sequences eager can only tell from their values) keep the cond."""
+    from poros_fx.handles import get_store
+
+    def conds(mode: str) -> int:
+        torch._dynamo.reset()
+        model = tiny_lora_model("llama", layers=1, dropout=0.0, seed=0)
+        poros_fx.prepare(model, device="cpu")
+        torch.compile(model, backend="poros")(**attention_batches(1, seq=16, mode=mode)[0]).loss.backward()
+        (region,) = get_store(model).regions.regions
+        return sum(n.target is torch.ops.higher_order.cond for n in region.forward.graph.nodes)
+
+    assert conds("none") == 0
+    assert conds("packed") == 1
