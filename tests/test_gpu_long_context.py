@@ -51,3 +51,20 @@ def test_gpu_long_context_streamed_equals_stream_false(layers, seq, steps):
     assert len(streamed.losses) == steps
     diffs = compare(streamed, resident)
     assert diffs == EQUAL, format_diffs(f"streamed vs stream=False, {layers} layers, seq {seq}", diffs)
+
+
+def test_gpu_a_length_over_the_budget_is_refused_before_the_first_step():
+    """torch.compile learns the length at the first call: a step estimated over the memory budget is refused
+    then, before anything runs, naming the long-sequence options that fit."""
+    torch._dynamo.reset()
+    config = qwen25_config("7b")
+    config.num_hidden_layers = 2
+    lora = peft.LoraConfig(r=16, lora_alpha=32, target_modules=lora_targets("qwen2"))
+    model = poros_fx.from_config(config, "nf4", device="cuda", seed=0, lora=lora, progress=False)
+    compiled = torch.compile(model, backend="poros", options={"memory_budget": "8GB"})
+    ids = torch.zeros(1, 65536, dtype=torch.long, device="cuda")
+    before = torch.cuda.max_memory_allocated()
+    with pytest.raises(Exception, match=r"1 x 65536 tokens.*more than the memory budget.*which fits"):
+        compiled(input_ids=ids, labels=ids)
+    assert torch.cuda.max_memory_allocated() == before  # refused before the step ran
+    poros_fx.unprepare(model)

@@ -120,3 +120,28 @@ def test_offloaded_copies_are_what_the_backward_reads_and_surfaces():
     assert out.logits is not None and torch.equal(out.loss, expected.loss)
     with pytest.raises(PorosConfigError, match="chunked_loss must be True or False"):
         poros_fx.prepare(tiny_lora_model("qwen2", layers=2), device="cpu", chunked_loss="yes")
+
+
+def test_a_step_estimated_over_the_device_memory_is_refused_with_what_fits():
+    """The compiled surfaces learn the length at the first step: the backend (on CUDA) estimates the streamed
+    step at the traced tokens and refuses one over the device's memory, naming the options that fit or the
+    longest length. The check itself, on a prepared tiny model and made-up device memory."""
+    from poros_fx.compiler.device_fit import check_step_fits, step_estimate, traced_tokens
+
+    model = tiny_lora_model("qwen2", layers=4)
+    poros_fx.prepare(model, device="cpu")
+    store = get_store(model)
+    lm = store.lm_ref()
+    ids = torch.zeros(2, 4096, dtype=torch.long)
+    assert traced_tokens([torch.zeros(3), ids, ids.float()]) == (2, 4096)
+
+    def need(offload: bool) -> int:  # the boundaries' share is what offloading changes at this size
+        return step_estimate(store, lm, (2, 4096), offload_boundaries=offload).total
+
+    between = (need(False) + need(True)) // 2
+    assert need(True) < between < need(False)
+    check_step_fits(store, lm, (2, 4096), need(False) + 2**20, "enough", offload_boundaries=False)  # nothing raised
+    with pytest.raises(PorosConfigError, match=r"2 x 4096 tokens.*more than the cap: (with .* which fits|the longest)"):
+        check_step_fits(store, lm, (2, 4096), between, "the cap", offload_boundaries=False)
+    with pytest.raises(PorosConfigError, match=r"longest length estimated to fit is about \d+ tokens"):
+        check_step_fits(store, lm, (2, 1 << 20), between, "the cap", offload_boundaries=True)

@@ -39,6 +39,7 @@ from ..runtime.depth import choose_prefetch
 from ..runtime.executor import GraphRuntime
 from ..runtime.store import HostStore
 from .ddp import check_ddp_optimizer
+from .device_fit import check_step_fits, device_memory, traced_tokens
 from .dump import Dumper
 from .graph_metadata import forget_module_classes
 from .ops import LOAD
@@ -224,6 +225,19 @@ def _check_sequence_chunks(opts: PorosOptions, store: HostStore) -> None:
                                "PorosTrainer or poros-fx train set it")
 
 
+def _check_fits_device(store: HostStore, example_inputs: list[Any], schedule: Schedule) -> None:
+    """A streamed CUDA training step estimated over the device's memory is refused before it runs
+    (``device_fit.py``)."""
+    if schedule.device.type != "cuda" or not schedule.stream or not torch.is_grad_enabled():
+        return
+    tokens = traced_tokens(example_inputs)
+    lm = store.lm_ref() if store.lm_ref is not None else None
+    if tokens is None or lm is None:
+        return
+    memory, note = device_memory(schedule.device, store.budget.memory_budget)
+    check_step_fits(store, lm, tokens, memory, note, offload_boundaries=schedule.offload_boundaries)
+
+
 def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any] | None = None) -> Callable:
     """The backend. ``options``: the streaming options, as ``options.PorosOptions`` declares them."""
     opts = PorosOptions.from_dict(options)
@@ -266,6 +280,7 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         _check_chunked_loss(opts, store)
         _check_sequence_chunks(opts, store)
         _check_router_logits(store)
+        _check_fits_device(store, example_inputs, schedule)
         if device.type == "cuda" and opts.cuda_graphs is None and not opts.least_memory and not graphs:
             warnings.warn(f"poros: CUDA graphs {graphs_note}", stacklevel=2)  # the default fell back
         if graphs:
