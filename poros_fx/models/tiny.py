@@ -14,6 +14,7 @@ import transformers
 from torch import nn
 
 from ..io.loader import quiet_peft
+from ..io.nf4_experts import quantize_experts_nf4
 from ..io.quantize import quantize_nf4
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -24,8 +25,10 @@ FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 # Gated DeltaNet's five (in_proj_b / in_proj_a give the update and decay gates, one value per head)
 QWEN3_5_TARGETS = (*TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # Gemma 4: the seven projections; the per-layer-input gate and projection are frozen base (a full
-# layer with attention_k_eq_v has no v_proj; PEFT then finds six in that layer)
-GEMMA4_TARGETS = TARGETS
+# layer with attention_k_eq_v has no v_proj; PEFT then finds six in that layer). The MLP's three by their
+# parent: with its mixture-of-experts block, NF4 experts are parametrized modules named like them
+# (experts.parametrizations.down_proj), which PEFT cannot adapt
+GEMMA4_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 # Mixture-of-experts families: the attention's four projections (and Qwen3.5-MoE's shared expert's three).
 # Their experts are 3-D parameters named like the dense MLP's linears (experts.gate_up_proj, experts.down_proj),
@@ -168,12 +171,14 @@ def shape_config(name: str) -> transformers.PretrainedConfig:
 def base_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = torch.float32, nf4: bool = False,
                nested: bool = True, seed: int = 0, device: str | torch.device = "cpu") -> nn.Module:
     """A random-init causal LM from ``config`` (``nf4``: its decoder linears quantized, ``nested``: with the
-    quantization state quantized too, as ``bnb_4bit_use_double_quant``)."""
+    quantization state quantized too, as ``bnb_4bit_use_double_quant``, and its fused expert weights
+    quantized per expert matrix, always nested: ``io/nf4_experts.py``)."""
     torch.manual_seed(seed)
     with torch.device(device):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     if nf4:
         quantize_nf4(model, compute_dtype=dtype, nested=nested, device=device)
+        quantize_experts_nf4(model)  # a mixture of experts' fused 3-D weights, one NF4 matrix per expert
     return model
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ...errors import PorosConfigError
 from .call import SEP
@@ -96,21 +97,27 @@ def fingerprint(layer: nn.Module, objects: dict[int, tuple[Any, Any]] | None = N
         attrs = tuple((k, _plain(v, memo, objects)) for k, v in sorted(vars(mod).items()) if k not in _SKIP_ATTRS)
         tensors = tuple((k, tuple(t.shape), t.dtype, t.requires_grad) for k, t in
                         (*mod._parameters.items(), *mod._buffers.items()) if t is not None)
-        parts.append((name, _module_class(type(mod)), attrs, tensors))
+        parts.append((name, _module_class(mod), attrs, tensors))
     return tuple(parts)
 
 
-def _module_class(cls: type) -> Any:
+def _module_class(module: nn.Module) -> Any:
     """A module's class as far as a trace is concerned. ``prepare`` gives a decoder layer, and each
     module owning frozen tensors, a class made for its model (``host_modules.poros_class``): described
     by the class it was, the names it adds and the forward it sets, so two models' layers of one
-    structure have one fingerprint."""
+    structure have one fingerprint. ``torch.nn.utils.parametrize`` gives each parametrized module a
+    class of its own too (NF4 experts, ``io/nf4_experts.py``): described by its base and the names."""
+    cls = type(module)
     own = vars(cls)
     if "_poros_layer_class" in own:
         return own["_poros_layer_class"]
-    if "_poros_original_class" not in own:
-        return cls
-    return (own["_poros_original_class"], tuple(sorted(k for k in own if not k.startswith("__"))), own.get("forward"))
+    added = None
+    if "_poros_original_class" in own:
+        added = (tuple(sorted(k for k in own if not k.startswith("__"))), own.get("forward"))
+        cls = own["_poros_original_class"]
+    if parametrize.is_parametrized(module) and cls.__bases__ and cls.__name__ == f"Parametrized{cls.__bases__[0].__name__}":
+        cls = ("parametrized", cls.__bases__[0], tuple(sorted(module.parametrizations)))
+    return cls if added is None else (cls, *added)
 
 
 def state(layer: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -1,0 +1,96 @@
+"""NF4 for the fused 3-D expert parameters of mixture-of-experts layers, one bitsandbytes matrix per expert.
+
+transformers 5 stores a layer's experts as 3-D parameters (``Qwen3MoeExperts.gate_up_proj``:
+``[experts, 2 x moe_intermediate, hidden]``), not ``nn.Linear``s, so ``BitsAndBytesConfig`` leaves
+them in bf16. ``quantize_experts_nf4`` gives each such parameter a ``torch.nn.utils.parametrize``
+parametrization, ``NF4Experts``: registering it quantizes every expert's matrix with bitsandbytes'
+own ``quantize_4bit`` (NF4, blocksize 64, nested absmax: what ``Params4bit`` does for one linear), and
+reading the parameter dequantizes every expert with bitsandbytes' own ``dequantize_4bit``, in the
+compute dtype, as a ``Linear4bit``'s backward dequantizes its weight. The experts' forward is then
+transformers' own, on those values::
+
+    experts.gate_up_proj            [E, N, K] bf16 parameter
+    ->  experts.parametrizations.gate_up_proj.original0   [E, N*K/2] uint8   (expert e: quantize_4bit(W[e]))
+        ... .original1 absmax [E, N*K/64] uint8, .original2 offset [E], .original3 absmax2, .original4 code2
+        experts.gate_up_proj  ==  stack(dequantize_4bit(packed[e], state[e]) for e)
+
+Under ``prepare`` these tensors are frozen base like any other (streamed with their layer, loaded in
+the region, where the dequantization runs). Exact against what: streamed == ``stream=False`` == the
+eager loop on the same parametrized model, bit for bit; against bf16 experts it is NF4's rounding,
+like any QLoRA base.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from .quantize import NESTED_BLOCKSIZE, NF4_BLOCKSIZE
+
+
+class NF4Experts(nn.Module):
+    """The parametrization: ``right_inverse`` quantizes ``[E, N, K]`` expert by expert into the tensors
+    ``forward`` takes (``ORIGINALS``: ``original0`` .. ``original4`` of the parametrization list), and
+    ``forward`` dequantizes all of them (``dtype``: the values' dtype, the original parameter's)."""
+
+    ORIGINALS = ("packed", "absmax", "offset", "absmax2", "code2")
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.shape: tuple[int, ...] = ()  # one expert's matrix
+
+    def right_inverse(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        import bitsandbytes.functional as bnb_functional
+
+        if weight.dim() != 3 or weight[0].numel() % NF4_BLOCKSIZE:
+            raise ValueError(f"NF4 experts need a [experts, out, in] parameter of whole {NF4_BLOCKSIZE}-value blocks "
+                             f"per expert, got {tuple(weight.shape)}")
+        self.shape = tuple(weight.shape[1:])
+        packed, absmax, offset, absmax2 = [], [], [], []
+        code2 = None
+        for matrix in weight.detach():
+            p, state = bnb_functional.quantize_4bit(matrix.contiguous(), blocksize=NF4_BLOCKSIZE,
+                                                    compress_statistics=True, quant_type="nf4")
+            packed.append(p.reshape(-1))
+            absmax.append(state.absmax)
+            offset.append(state.offset.reshape(1))
+            absmax2.append(state.state2.absmax)
+            code2 = state.state2.code
+        return torch.stack(packed), torch.stack(absmax), torch.cat(offset), torch.stack(absmax2), code2
+
+    def forward(self, packed: torch.Tensor, absmax: torch.Tensor, offset: torch.Tensor, absmax2: torch.Tensor,
+                code2: torch.Tensor) -> torch.Tensor:
+        ops = torch.ops.bitsandbytes
+        experts = []
+        for e in range(packed.shape[0]):
+            # bitsandbytes' dequantize_4bit of a nested state: the absmax first, in fp32, plus its offset
+            scales = ops.dequantize_blockwise(absmax[e], absmax2[e], code2, NESTED_BLOCKSIZE, torch.float32) + offset[e]
+            experts.append(ops.dequantize_4bit(packed[e].view(-1, 1), scales, NF4_BLOCKSIZE, "nf4", list(self.shape),
+                                               self.dtype))
+        return torch.stack(experts)
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """A fused experts module: transformers' ``use_experts_implementation`` sets these on each one."""
+    return all(key in vars(module) for key in ("has_gate", "is_transposed", "is_concatenated"))
+
+
+def expert_parameters(module: nn.Module) -> list[str]:
+    """The names of a fused experts module's own 3-D parameters (its expert matrices; 2-D biases stay)."""
+    if not is_experts_module(module):
+        return []
+    return [name for name, p in module.named_parameters(recurse=False) if p.dim() == 3]
+
+
+def quantize_experts_nf4(model: nn.Module, *, layers: str = "model.layers") -> int:
+    """Give every fused 3-D expert parameter under ``model.<layers>`` an ``NF4Experts`` parametrization
+    (in place; the packed values are frozen); returns how many. A base model's: before attaching an adapter."""
+    count = 0
+    for module in model.get_submodule(layers).modules():
+        for name in expert_parameters(module):
+            getattr(module, name).requires_grad_(False)  # the originals take it: packed bytes cannot have gradients
+            parametrize.register_parametrization(module, name, NF4Experts(getattr(module, name).dtype), unsafe=True)
+            count += 1
+    return count

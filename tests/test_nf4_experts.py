@@ -1,0 +1,79 @@
+"""NF4 experts (``poros_fx/io/nf4_experts.py``): a mixture of experts' fused 3-D weights quantized one expert
+matrix at a time by bitsandbytes, dequantized by bitsandbytes inside the region.
+
+Byte identity: every stored tensor is what ``bitsandbytes.functional.quantize_4bit`` gives for that expert's
+matrix, and the values the layer reads are what ``bitsandbytes.functional.dequantize_4bit`` gives from it.
+Parity: streamed == ``stream=False`` == the plain eager PEFT loop on the same NF4 model, every step.
+"""
+
+from __future__ import annotations
+
+import bitsandbytes.functional as bnb_functional
+import pytest
+import torch
+
+import poros_fx
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.handles import get_store
+from poros_fx.io.nf4_experts import NF4Experts
+from poros_fx.models.tiny import add_lora, base_model, demo_batches, gemma4_options, lora_targets, tiny_config
+
+EQUAL = {s: 0.0 for s in SURFACES}
+
+
+def test_each_expert_is_bitsandbytes_own_nf4_of_its_matrix():
+    torch.manual_seed(0)
+    plain = base_model(tiny_config("qwen3_moe", layers=1), dtype=torch.bfloat16)
+    quantized = base_model(tiny_config("qwen3_moe", layers=1), dtype=torch.bfloat16, nf4=True)  # same seed
+    experts, reference = quantized.model.layers[0].mlp.experts, plain.model.layers[0].mlp.experts
+    for name in ("gate_up_proj", "down_proj"):
+        weights = getattr(reference, name).detach()
+        stored = experts.parametrizations[name]
+        assert isinstance(stored[0], NF4Experts) and not any(p.requires_grad for p in stored.parameters())
+        values = getattr(experts, name)
+        assert values.shape == weights.shape and values.dtype == torch.bfloat16
+        for e, matrix in enumerate(weights):
+            packed, state = bnb_functional.quantize_4bit(matrix.contiguous(), blocksize=64, compress_statistics=True,
+                                                         quant_type="nf4")
+            assert torch.equal(stored.original0[e], packed.reshape(-1))
+            assert torch.equal(stored.original1[e], state.absmax)
+            assert torch.equal(stored.original2[e], state.offset.reshape(()))
+            assert torch.equal(stored.original3[e], state.state2.absmax)
+            assert torch.equal(stored.original4, state.state2.code)
+            assert torch.equal(values[e], bnb_functional.dequantize_4bit(packed, state))
+    with pytest.raises(ValueError, match="whole 64-value blocks"):
+        NF4Experts(torch.bfloat16).right_inverse(torch.zeros(2, 3, 5))
+
+
+# the three expert layouts: [E, 2I, H] (Mixtral's is Qwen3-MoE's), gpt-oss's transposed ones with biases, and
+# Gemma 4's experts beside a dense MLP; the generator (test_drawn_configs.py) draws NF4 bases of every
+# mixture-of-experts family, Qwen3.5-MoE and Mixtral too
+FAMILIES = {"qwen3_moe": {}, "gpt_oss": {}, "gemma4_text": dict(layers=4, **gemma4_options())}
+
+
+def run(mode: str, family: str, config: dict) -> tuple:
+    torch._dynamo.reset()
+    model = add_lora(base_model(tiny_config(family, **{"layers": 2, **config}), dtype=torch.bfloat16, nf4=True),
+                     targets=list(lora_targets(family)), dropout=0.1)
+    step_model = model
+    if mode != "eager":
+        poros_fx.prepare(model, device="cpu", codegen="eager")
+        step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
+    batches = demo_batches(4, vocab=256, seq=16, batch=2, seed=3)
+    return train(model, step_model, batches, accumulate=2, block_major=mode == "stream"), model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_nf4_experts_stream_exactly(family):
+    """bf16 compute, LoRA dropout 0.1, accumulation 2 block-major: streamed == stream=False == eager; the
+    experts' NF4 tensors are the host store's, and layers of one structure share one region."""
+    streamed, model = run("stream", family, FAMILIES[family])
+    store = get_store(model)
+    names = [e.name for e in store.host.tensors()]
+    assert any(n.endswith("experts.parametrizations.gate_up_proj.original0") for n in names)
+    if family == "qwen3_moe":  # layers of one structure (each has a parametrized class of its own)
+        assert [r.layers for r in store.regions.regions] == [[0, 1]]
+    resident, _ = run("resident", family, FAMILIES[family])
+    assert compare(streamed, resident) == EQUAL, format_diffs(f"{family} streamed vs stream=False", compare(streamed, resident))
+    eager, _ = run("eager", family, FAMILIES[family])
+    assert compare(streamed, eager) == EQUAL, format_diffs(f"{family} streamed vs eager", compare(streamed, eager))
