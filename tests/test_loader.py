@@ -416,3 +416,29 @@ def test_cuda_from_config_trains_one_step():
     loss.backward()
     assert torch.isfinite(loss) and poros_fx.stats(model)["recomputed_blocks"] > 0
     assert all(p.grad is not None and p.grad.is_cuda for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])  # per-expert names: gate/up/down_proj; w1/w3/w2
+def test_nf4_experts_load_as_bitsandbytes_quantizes_each_expert(tmp_path, family):
+    """A mixture of experts' checkpoint (as transformers 5 saves it): its fused expert weights stored NF4 per
+    expert matrix (io/nf4_experts.py), byte for byte what the standard load and then quantize_experts_nf4 give;
+    the store's size is the estimate's and check's."""
+    from poros_fx.io.nf4_experts import quantize_experts_nf4
+    from poros_fx.io.sizes import block_bytes
+    from poros_fx.models.tiny import MOE_TARGETS
+
+    path = save_checkpoint(tmp_path / family, family, shard="200KB")
+    names = list(loader.read_checkpoint_index(path))
+    assert any(".experts.0." in n for n in names) and not any(n.endswith("experts.gate_up_proj") for n in names)
+    lora = lora_config(list(MOE_TARGETS))
+    model = load(path, lora=lora, prefetch=0)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    quantize_nf4(ref, compute_dtype=torch.bfloat16, device="cpu")
+    assert quantize_experts_nf4(ref) == 3 * 2  # three layers: gate_up_proj and down_proj
+    ref = poros_fx.prepare(peft.get_peft_model(ref, lora), device="cpu", prefetch=0)
+    got = store_manifest(model)
+    assert sum(".experts.parametrizations." in k for k in got) == 3 * 2 * 5  # packed, absmax, offset, absmax2, code
+    assert got == store_manifest(ref)
+    config = transformers.AutoConfig.from_pretrained(path)
+    assert load_report(model).host_bytes == poros_fx.stats(model)["host_bytes"] == loader.estimate_host_bytes(config, "nf4")
+    assert poros_fx.stats(model)["block_bytes"] == block_bytes(config, "nf4")[1]

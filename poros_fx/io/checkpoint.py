@@ -72,6 +72,34 @@ class TensorSpec:
         return math.prod(self.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertsSpec:
+    """A fused 3-D expert weight (``...experts.gate_up_proj``, ``[experts, N, K]``) that a checkpoint holds
+    one 2-D tensor per expert and projection, as the hub's mixture-of-experts checkpoints (and transformers
+    5's ``save_pretrained``) do: ``parts[e]`` are expert ``e``'s tensors, stacked along N in that order
+    (``gate_proj`` then ``up_proj``), as transformers' own conversion on load packs them."""
+
+    name: str
+    parts: tuple[tuple[TensorSpec, ...], ...]
+    shape: tuple[int, ...]
+
+    @property
+    def file(self) -> Path:
+        return self.parts[0][0].file
+
+    @property
+    def dtype(self) -> str:
+        return self.parts[0][0].dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for expert in self.parts for p in expert)
+
+
 def read_checkpoint_index(folder: str | os.PathLike) -> dict[str, TensorSpec]:
     """Every tensor of the folder's safetensors checkpoint, from the file headers only.
 
@@ -179,8 +207,23 @@ class CheckpointReader:
         self.handles: dict[Path, Any] = {}
         self.bytes_read = 0
 
-    def fetcher(self, spec: TensorSpec) -> Fetch:
+    def fetcher(self, spec: TensorSpec | ExpertsSpec) -> Fetch:
+        if isinstance(spec, ExpertsSpec):
+            return lambda alloc: self.read_experts(spec, alloc)
         return lambda alloc: self.read(spec, alloc)
+
+    def read_experts(self, spec: ExpertsSpec, alloc: Alloc) -> torch.Tensor:
+        """``spec``'s per-expert tensors, each read straight into its rows of the fused tensor."""
+        if spec.dtype not in FLOAT_DTYPES:
+            raise LoaderError(f"{spec.file}: tensor {spec.parts[0][0].name!r} has dtype {spec.dtype}, not a float type")
+        fused = alloc(spec.shape, FLOAT_DTYPES[spec.dtype])
+        for e, expert in enumerate(spec.parts):
+            row = 0
+            for part in expert:
+                rows = fused[e, row:row + part.shape[0]]
+                self.read(part, lambda shape, dtype, rows=rows: rows)
+                row += part.shape[0]
+        return fused
 
     def read(self, spec: TensorSpec, alloc: Alloc = lambda shape, dtype: torch.empty(shape, dtype=dtype)) -> torch.Tensor:
         if spec.dtype not in FLOAT_DTYPES:

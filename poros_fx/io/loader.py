@@ -45,9 +45,11 @@ from .checkpoint import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, INDEX_FILE, SINGLE_FIL
                          TensorSpec, check_adapter, read_checkpoint_index, read_config, read_safetensors_header,
                          resolve_folder)
 from .host_memory import arena_capacity, check_ram, host_ram_available, proc_meminfo_available, store_bytes
-from .meta_model import (COMPUTE_DTYPE, attach_adapter, check_quantization, freeze_adapter, is_config, is_nf4_weight,
-                         load_generation_config, meta_model, numel, param_groups, plan_reads, quiet_peft,
+from .meta_model import (COMPUTE_DTYPE, attach_adapter, check_quantization, freeze_adapter, is_config, is_nf4_experts,
+                         is_nf4_weight,
+                         load_generation_config, meta_model, numel, plan_reads, quiet_peft, read_groups,
                          rebuild_buffers, split_name)
+from .nf4_experts import place_nf4_experts
 from .quantize import place_nf4, quantize_nf4_weight
 from .random_init import init_std, random_fetcher
 
@@ -160,7 +162,7 @@ def from_config(config: "transformers.PretrainedConfig | str | os.PathLike", qua
         config = read_config(resolve_folder(config))
     fam = resolve(getattr(config, "model_type", None), family)
     model = meta_model(config, quantization, fam)
-    groups = param_groups(model)
+    groups = read_groups(model)
     in_flight = max((numel(meta) * (4 + itemsize(COMPUTE_DTYPE)) for _, meta in groups), default=0)
     host_bytes = store_bytes(model)
     source = f"random-init (seed={seed})"
@@ -243,8 +245,9 @@ def _materialize(model: nn.Module, jobs: list[tuple[list[str], Fetch]], compute:
         owner = model.get_submodule(owner_name)
         meta = getattr(owner, attr)
         # an NF4 skeleton's weight is float32 on meta; bitsandbytes quantizes the bf16 weight, as from_pretrained
-        target_dtype = COMPUTE_DTYPE if is_nf4_weight(owner, attr) else meta.dtype
-        kept_as_fetched = attr not in owner._buffers and not is_nf4_weight(owner, attr)
+        nf4_experts = is_nf4_experts(owner, attr)
+        target_dtype = COMPUTE_DTYPE if is_nf4_weight(owner, attr) or nf4_experts else meta.dtype
+        kept_as_fetched = attr not in owner._buffers and not is_nf4_weight(owner, attr) and not nf4_experts
 
         def alloc(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             if kept_as_fetched and dtype == target_dtype:
@@ -254,6 +257,11 @@ def _materialize(model: nn.Module, jobs: list[tuple[list[str], Fetch]], compute:
         raw = fetch(alloc)
         value = raw.to(target_dtype)
         inflight = nbytes(raw) + (nbytes(value) if value is not raw else 0)
+        if nf4_experts:  # quantized where it was made (the compute device), stored where the parametrization reads
+            peak = max(peak, inflight + place_nf4_experts(owner, attr, value, arena))
+            advance(nbytes(raw))
+            del raw, value
+            continue
         if is_nf4_weight(owner, attr):
             if len(names) > 1:
                 raise LoaderError(f"{names}: a tied NF4 weight is not supported")

@@ -1,9 +1,11 @@
 """Building the model: the module tree on ``meta``, which checkpoint tensor fills which parameter, the
 buffers no checkpoint holds, and the adapter attached at the end.
 
-``meta_model`` builds the tree without memory (NF4 decoder linears as ``Linear4bit`` skeletons);
-``param_groups`` lists every parameter and persistent buffer once with all its names (a tied pair has
-two); ``plan_reads`` matches them to a checkpoint's tensors and raises every mismatch before reading.
+``meta_model`` builds the tree without memory (NF4 decoder linears as ``Linear4bit`` skeletons, NF4
+experts parametrized on ``meta``); ``param_groups`` lists every parameter and persistent buffer once with
+all its names (a tied pair has two); ``read_groups`` the same with each NF4 experts parametrization's
+stored tensors as the one weight they are made from (what a checkpoint holds); ``plan_reads`` matches
+those to a checkpoint's tensors and raises every mismatch before reading.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from torch import nn
 
 from ..errors import PorosConfigError
 from ..families import Family
-from .checkpoint import FLOAT_DTYPES, LoaderError, TensorSpec, check_adapter
+from .checkpoint import FLOAT_DTYPES, ExpertsSpec, LoaderError, TensorSpec, check_adapter
+from .nf4_experts import NF4Experts, quantize_experts_nf4
 from .quantize import linear4bit_like
 
 if TYPE_CHECKING:
@@ -62,6 +65,7 @@ def meta_model(config: "transformers.PretrainedConfig", quantization: str, fam: 
                 if lin.bias is not None:
                     q.bias = lin.bias  # keeps the model's bf16 (Linear4bit would make a float32 one)
                 setattr(child, attr, q)
+        quantize_experts_nf4(model, layers=fam.layers)  # bitsandbytes' fake quantization: the stored shapes
     return model
 
 
@@ -73,6 +77,30 @@ def is_nf4_weight(module: nn.Module, attr: str) -> bool:
     except ImportError:
         return False
     return isinstance(module, bnb.nn.Linear4bit)
+
+
+def is_nf4_experts(module: nn.Module, attr: str) -> bool:
+    """Whether ``module.<attr>`` is a fused expert weight stored in NF4 (``io/nf4_experts.py``)."""
+    plist = getattr(module, "parametrizations", None)
+    return plist is not None and attr in plist and isinstance(plist[attr][0], NF4Experts)
+
+
+PARAMETRIZED = ".parametrizations."
+
+
+def read_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """``param_groups``, with the tensors an NF4 experts parametrization stores (``...parametrizations.
+    gate_up_proj.original0`` to ``original4``) given as the weight they are made from, under its own name
+    (``...experts.gate_up_proj``) and shape (a ``meta`` tensor): what a checkpoint holds and the loader reads."""
+    out = []
+    for names, meta in param_groups(model):
+        owner_name, attr = split_name(names[0])
+        module_name, found, weight = owner_name.rpartition(PARAMETRIZED)
+        if not found or not is_nf4_experts(model.get_submodule(module_name), weight):
+            out.append((names, meta))
+        elif attr == "original0":
+            out.append(([f"{module_name}.{weight}"], getattr(model.get_submodule(module_name), weight)))
+    return out
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -98,10 +126,15 @@ def plan_reads(model: nn.Module, specs: dict[str, TensorSpec], folder: Path) -> 
     plan = []
     missing = []
     used = set()
-    for names, meta in param_groups(model):
-        present = [n for n in names if n in specs]
+    for names, meta in read_groups(model):
+        present = [alias for n in names for alias in checkpoint_names(n) if alias in specs]
         if not present:
-            missing.append(names[0])
+            experts = experts_spec(names[0], tuple(meta.shape), specs)
+            if experts is None:
+                missing.append(names[0])
+            else:
+                used.update(p.name for expert in experts.parts for p in expert)
+                plan.append((names, experts))
             continue
         spec = specs[present[0]]  # a tied pair saved twice: the first name (the embedding) wins, as in transformers
         used.update(present)
@@ -126,6 +159,40 @@ def plan_reads(model: nn.Module, specs: dict[str, TensorSpec], folder: Path) -> 
         raise LoaderError(f"{folder}: the checkpoint has {len(unexpected)} tensor(s) the model built from config.json "
                           f"does not: {few(unexpected)} (config and weights from different models?)")
     return plan
+
+
+# a fused expert weight -> the per-expert projections a checkpoint holds for it, stacked in this order
+# (Qwen's names, Mixtral's); transformers' conversion_mapping packs the same ones on load
+EXPERT_SOURCES = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
+# the names a checkpoint may give a module that transformers renames on load (Mixtral's mixture of experts)
+CHECKPOINT_RENAMES = ((".mlp.", ".block_sparse_moe."),)
+
+
+def checkpoint_names(name: str) -> list[str]:
+    """``name`` and the names a checkpoint may hold it under (``CHECKPOINT_RENAMES``)."""
+    return [name, *(name.replace(new, old, 1) for new, old in CHECKPOINT_RENAMES if new in name)]
+
+
+def experts_spec(name: str, shape: tuple[int, ...], specs: dict[str, TensorSpec]) -> ExpertsSpec | None:
+    """The per-expert checkpoint tensors that make the fused weight ``name`` of ``shape``, or ``None``."""
+    prefix, _, weight = name.rpartition(".")
+    if len(shape) != 3 or weight not in EXPERT_SOURCES:
+        return None
+    for parent in checkpoint_names(prefix + "."):
+        for sources in EXPERT_SOURCES[weight]:
+            keys = [[f"{parent}{e}.{source}.weight" for source in sources] for e in range(shape[0])]
+            if not all(k in specs for expert in keys for k in expert):
+                continue
+            parts = tuple(tuple(specs[k] for k in expert) for expert in keys)
+            for expert in parts:
+                rows = sum(p.shape[0] for p in expert)
+                if any(len(p.shape) != 2 or p.shape[1] != shape[2] or p.dtype != parts[0][0].dtype for p in expert) \
+                        or rows != shape[1]:
+                    raise LoaderError(f"{expert[0].file}: the per-expert tensors {[p.name for p in expert]} "
+                                      f"({[list(p.shape) for p in expert]}) do not make one expert of {name!r} "
+                                      f"{list(shape[1:])} (config and weights from different models?)")
+            return ExpertsSpec(name, parts, shape)
+    return None
 
 
 def nf4_logical_shape(module: nn.Module) -> tuple[int, int]:

@@ -22,6 +22,8 @@ like any QLoRA base.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
@@ -48,6 +50,13 @@ class NF4Experts(nn.Module):
             raise ValueError(f"NF4 experts need a [experts, out, in] parameter of whole {NF4_BLOCKSIZE}-value blocks "
                              f"per expert, got {tuple(weight.shape)}")
         self.shape = tuple(weight.shape[1:])
+        if weight.is_meta:  # the loader's skeleton: the sizes only (bitsandbytes would cache its code table on meta)
+            experts, blocks = weight.shape[0], weight[0].numel() // NF4_BLOCKSIZE
+            return (torch.empty(experts, weight[0].numel() // 2, dtype=torch.uint8, device="meta"),
+                    torch.empty(experts, blocks, dtype=torch.uint8, device="meta"),
+                    torch.empty(experts, dtype=torch.float32, device="meta"),
+                    torch.empty(experts, -(-blocks // NESTED_BLOCKSIZE), dtype=torch.float32, device="meta"),
+                    torch.empty(256, dtype=torch.float32, device="meta"))
         packed, absmax, offset, absmax2 = [], [], [], []
         code2 = None
         for matrix in weight.detach():
@@ -94,3 +103,14 @@ def quantize_experts_nf4(model: nn.Module, *, layers: str = "model.layers") -> i
             parametrize.register_parametrization(module, name, NF4Experts(getattr(module, name).dtype), unsafe=True)
             count += 1
     return count
+
+
+def place_nf4_experts(module: nn.Module, name: str, weight: torch.Tensor, arena: Any) -> int:
+    """Quantize ``weight`` (``[E, N, K]``, on the device it was made on) into the NF4 experts
+    parametrization ``module.<name>`` already has (built on ``meta`` by the loader), its tensors placed in
+    the host ``arena``; returns the bytes they took on that device on the way."""
+    parametrization = module.parametrizations[name]
+    stored = parametrization[0].right_inverse(weight)
+    for i, t in enumerate(stored):
+        parametrization._parameters[f"original{i}"] = nn.Parameter(arena.place(t.to("cpu")), requires_grad=False)
+    return sum(t.numel() * t.element_size() for t in stored) if weight.device.type != "cpu" else 0

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoint import Alloc, Fetch
-from .meta_model import COMPUTE_DTYPE, is_nf4_weight, nf4_logical_shape, split_name
+from .meta_model import COMPUTE_DTYPE, is_nf4_experts, is_nf4_weight, nf4_logical_shape, split_name
 
 if TYPE_CHECKING:
     import transformers
@@ -50,7 +50,7 @@ def random_fetcher(model: nn.Module, name: str, meta: torch.Tensor, seed: int, s
 
     # a decoder linear is quantized on the compute device; everything else goes to the host store as it is
     # made, so only the chunk being generated is on the device (a 72B's embedding is 2.5 GB in bf16)
-    target = compute if is_nf4_weight(owner, attr) else torch.device("cpu")
+    target = compute if is_nf4_weight(owner, attr) or is_nf4_experts(owner, attr) else torch.device("cpu")
 
     def fetch(alloc: Alloc) -> torch.Tensor:
         w = alloc(shape, COMPUTE_DTYPE) if target.type == "cpu" else torch.empty(shape, dtype=COMPUTE_DTYPE,

@@ -3,7 +3,8 @@
 The module tree is built on the ``meta`` device; each frozen tensor is counted in the block that reads
 it, at the size the host store will give it: bf16 at 2 bytes an element, and for NF4 decoder linears
 what bitsandbytes' nested quantization keeps (packed 4-bit weight, 8-bit absmax per 64 elements, the
-fp32 absmax of those per 256, the 256-entry fp32 code, the fp32 offset). A plain embedding's table
+fp32 absmax of those per 256, the 256-entry fp32 code, the fp32 offset); NF4 experts the same per expert
+matrix, stacked, with one code. A plain embedding's table
 counts in no block: its rows are gathered (a tied table counts in the head, which loads it).
 """
 
@@ -19,6 +20,7 @@ from ..families import Family, resolve
 from ..host_modules import gathers_rows
 from ..prepare import block_names, module_blocks
 from ..runtime.arena import aligned
+from .nf4_experts import expert_parameters
 
 if TYPE_CHECKING:
     import transformers
@@ -33,6 +35,13 @@ def nf4_tensors(numel: int, blocksize: int = 64, nested: bool = True) -> list[in
     if not nested:
         return [packed, 4 * blocks]
     return [packed, blocks, 4, 4 * math.ceil(blocks / 256), 4 * 256]
+
+
+def nf4_expert_tensors(experts: int, numel: int) -> list[int]:
+    """Bytes of each tensor an NF4 experts weight keeps (``io/nf4_experts.py``: each of ``experts``
+    matrices of ``numel`` values quantized nested, their tensors stacked; one code table)."""
+    packed, blocks, offset, absmax2, code = nf4_tensors(numel)
+    return [experts * packed, experts * blocks, experts * offset, experts * absmax2, code]
 
 
 def nf4_bytes(numel: int, blocksize: int = 64, nested: bool = True,
@@ -68,6 +77,8 @@ def block_bytes(config: "transformers.PretrainedConfig", quantization: str = "nf
             in_layers = mod_name.startswith(fam.layers + ".")
             if quantization == "nf4" and in_layers and type(module) is nn.Linear and pname == "weight":
                 tensors = nf4_tensors(p.numel())
+            elif quantization == "nf4" and in_layers and pname in expert_parameters(module):
+                tensors = nf4_expert_tensors(p.shape[0], p[0].numel())
             else:
                 tensors = [p.numel() * 2]
             if regions and in_layers:

@@ -156,11 +156,11 @@ def qwen25_config(size: str = "0.5b") -> transformers.PretrainedConfig:
 
 
 # real shapes written from the published sizes (models/configs/README.md says where each number comes from)
-SHAPE_CONFIGS = ("qwen3.5-27b", "gemma-4-31b")
+SHAPE_CONFIGS = ("qwen3.5-27b", "gemma-4-31b", "qwen3-30b-a3b")
 
 
 def shape_config(name: str) -> transformers.PretrainedConfig:
-    """A real model's shape (random-init; no hub needed): ``qwen3.5-27b`` or ``gemma-4-31b``."""
+    """A real model's shape (random-init; no hub needed): one of ``SHAPE_CONFIGS`` (``models/configs/``)."""
     if name not in SHAPE_CONFIGS:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPE_CONFIGS)}")
     config = transformers.AutoConfig.from_pretrained(Path(__file__).parent / "configs" / name)
