@@ -200,19 +200,21 @@ def check(model_or_config: str = typer.Argument(..., help="built-in shape, confi
     vocabulary_chunks = loss_chunk_count(config.vocab_size, chunks)
     adapter = lora_bytes(config, family, lora_targets(config.model_type), lora_r)
     layer_names = names if len(names) == config.num_hidden_layers + 2 else None  # one layer per block
+    nf4_experts = quantization == "nf4"
     _check_step(config, layer_names, names, sizes, (1 + ahead) * window, seq_len, batch_size, accumulate, lora_r,
                 adapter, memory_budget, vocabulary_chunks if chunked_loss else None, offload_boundaries,
-                sequence_chunks)
+                sequence_chunks, nf4_experts)
     if device_memory is not None:
         _check_device_memory(config, layer_names, (1 + ahead) * window, seq_len, batch_size, adapter,
-                             vocabulary_chunks, device_memory)
+                             vocabulary_chunks, device_memory, nf4_experts)
 
 
 def _check_device_memory(config, layer_names: Optional[list[str]], window: int, seq_len: int, batch_size: int,
-                         adapter: int, vocabulary_chunks: int, device_memory: int) -> None:
+                         adapter: int, vocabulary_chunks: int, device_memory: int, nf4_experts: bool = False) -> None:
     """``check --device-memory``: the long-sequence options the estimate needs to fit, or the longest length."""
     plan = long_context_plan(config, window, seq=seq_len, batch=batch_size, adapter_bytes=adapter,
-                             device_memory=device_memory, loss_chunks=vocabulary_chunks, names=layer_names)
+                             device_memory=device_memory, loss_chunks=vocabulary_chunks, names=layer_names,
+                             nf4_experts=nf4_experts)
     flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in plan.options.items())
     where = f"seq {seq_len} in {format_bytes(device_memory)} of device memory"
     if plan.fits:
@@ -231,15 +233,17 @@ def _check_device_memory(config, layer_names: Optional[list[str]], window: int, 
 
 def _check_step(config, layer_names: Optional[list[str]], names: list[str], sizes: list[int], window: int,
                 seq_len: int, batch_size: int, accumulate: int, lora_r: int, adapter: int, memory_budget: Optional[str],
-                loss_chunks: Optional[int] = None, offload_boundaries: bool = False, sequence_chunks: int = 1) -> None:
+                loss_chunks: Optional[int] = None, offload_boundaries: bool = False, sequence_chunks: int = 1,
+                nf4_experts: bool = False) -> None:
     """``check``'s estimate of the step (compiler/estimate.py) and, with a budget, the plan it would make."""
-    console.print(f"LoRA targets (every linear of a decoder layer): {', '.join(lora_targets(config.model_type))}",
-                  soft_wrap=True, highlight=False)
+    console.print(f"LoRA targets (the family's default, train's without --target-modules): "
+                  f"{', '.join(lora_targets(config.model_type))}", soft_wrap=True, highlight=False)
     est = step_memory(config, window, seq=seq_len, batch=batch_size, in_flight=accumulate, adapter_bytes=adapter,
-                      names=layer_names, loss_chunks=loss_chunks, offload_boundaries=offload_boundaries, sequence_chunks=sequence_chunks)
+                      names=layer_names, loss_chunks=loss_chunks, offload_boundaries=offload_boundaries,
+                      sequence_chunks=sequence_chunks, nf4_experts=nf4_experts)
     console.print(f"estimated device memory of a streamed step (seq {seq_len}, batch {batch_size}, "
                   f"{accumulate} micro-batch(es) in flight{', block-major' if accumulate > 1 else ''}, LoRA r{lora_r} on "
-                  f"every linear): {format_bytes(est.total)} = base window {format_bytes(est.base_window)} + adapter, "
+                  f"those): {format_bytes(est.total)} = base window {format_bytes(est.base_window)} + adapter, "
                   f"gradients and AdamW {format_bytes(est.adapter)} + boundary activations {format_bytes(est.boundaries)}"
                   f"{' (offloaded: two on the device)' if offload_boundaries else ''} + logits {format_bytes(est.logits)}"
                   f"{f' (chunked loss: one of {loss_chunks} vocabulary chunks)' if loss_chunks else ''} + one layer's recompute {format_bytes(est.layer)} (an estimate: "

@@ -24,6 +24,8 @@ from ..errors import PorosConfigError
 from ..units import format_bytes
 from .estimate import StepMemory, long_context_plan, long_sequence_advice, step_memory
 
+PARAMETRIZED = ".parametrizations."  # in the names of a parametrized weight's stored tensors (io/nf4_experts.py)
+
 # the estimate's terms are products of sizes; it was within 1% of the measured peak at 7B and 32K-128K
 # tokens (docs/bench/long_context/cap24/). A step refused here is over the memory by the estimate alone.
 
@@ -69,7 +71,12 @@ def step_estimate(store: Any, lm: Any, tokens: tuple[int, int], *, offload_bound
     window, adapter, loss_chunks, chunked = _sizes(store, lm)
     return step_memory(lm.config, window, seq=tokens[1], batch=tokens[0], in_flight=1, adapter_bytes=adapter,
                        loss_chunks=loss_chunks if chunked else None, offload_boundaries=offload_boundaries,
-                       sequence_chunks=store.sequence_chunks)
+                       sequence_chunks=store.sequence_chunks, nf4_experts=_nf4_experts(store))
+
+
+def _nf4_experts(store: Any) -> bool:
+    """Whether the base holds parametrized (NF4) experts: their stored tensors are the host store's."""
+    return any(PARAMETRIZED in entry.name for entry in store.host.tensors())
 
 
 def check_step_fits(store: Any, lm: Any, tokens: tuple[int, int], memory: int, memory_note: str, *,
@@ -83,7 +90,7 @@ def check_step_fits(store: Any, lm: Any, tokens: tuple[int, int], memory: int, m
     given = {"chunked_loss": chunked, "offload_boundaries": offload_boundaries,
              "sequence_chunks": store.sequence_chunks}
     plan = long_context_plan(lm.config, window, seq=length, batch=batch, adapter_bytes=adapter,
-                             device_memory=memory, loss_chunks=loss_chunks)
+                             device_memory=memory, loss_chunks=loss_chunks, nf4_experts=_nf4_experts(store))
     raise PorosConfigError(
         f"this step ({batch} x {length} tokens) is estimated to need {format_bytes(need)} on the device, more than "
         f"{memory_note}: {long_sequence_advice(plan, given)}. The options are poros_fx.prepare's (or "

@@ -21,7 +21,8 @@ plain product of sizes:
   with its fp32 norm and fp32 gradient (10 bytes a value);
 * one layer's recomputed activations: ``batch x seq x (8 x hidden + 4 x intermediate)`` at 2 bytes
   (attention in/out and the MLP's three wide tensors, dropout masks, LoRA inputs); with
-  ``sequence_chunks=K`` the MLP's wide tensors are one chunk's, ``batch x seq / K x 4 x intermediate``.
+  ``sequence_chunks=K`` the MLP's wide tensors are one chunk's, ``batch x seq / K x 4 x intermediate``;
+  with NF4 experts, the layer's experts dequantized to bf16 (``experts x 3 x width x hidden x 2``).
 
 The logits and the layer's activations are not alive at once (the loss's are freed before the backward
 reaches the last layer): the total takes the larger. Against the whole 7B shape under a 24 GB cap
@@ -100,13 +101,23 @@ def config_block_graph(config: Any, names: list[str], tokens: int) -> Any:
     return block_graph.build(names, found)
 
 
+def dequantized_expert_bytes(config: Any) -> int:
+    """bf16 bytes of one layer's experts, all of them dequantized at once (NF4 experts: the region
+    dequantizes the whole layer's before its experts run); 0 without a mixture of experts."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
+    if not experts or getattr(config, "enable_moe_block", True) is False:
+        return 0
+    width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return experts * 3 * width * config.hidden_size * 2
+
+
 def step_memory(config: Any, window: int, *, seq: int, batch: int, in_flight: int, adapter_bytes: int,
                 names: list[str] | None = None, loss_chunks: int | None = None,
-                offload_boundaries: bool = False, sequence_chunks: int = 1) -> StepMemory:
+                offload_boundaries: bool = False, sequence_chunks: int = 1, nf4_experts: bool = False) -> StepMemory:
     """The estimate for ``in_flight`` micro-batches held at once (block-major: the accumulation);
     ``names``: the blocks (one layer each), for the block DAG's boundary bytes; ``loss_chunks``: the
     vocabulary chunks of a chunked loss (``None``: HF's loss over the whole logits); ``sequence_chunks``:
-    the token chunks of each layer's MLP."""
+    the token chunks of each layer's MLP; ``nf4_experts``: the experts are NF4 (dequantized in the layer)."""
     hidden, vocab = config.hidden_size, config.vocab_size
     intermediate = getattr(config, "intermediate_size", 4 * hidden)
     tokens = batch * seq
@@ -124,7 +135,8 @@ def step_memory(config: Any, window: int, *, seq: int, batch: int, in_flight: in
         adapter=4 * adapter_bytes,
         boundaries=in_flight * boundaries,
         logits=logits,
-        layer=tokens * 8 * hidden * 2 + -(-tokens // sequence_chunks) * 4 * intermediate * 2,
+        layer=(tokens * 8 * hidden * 2 + -(-tokens // sequence_chunks) * 4 * intermediate * 2
+               + (dequantized_expert_bytes(config) if nf4_experts else 0)),
     )
 
 
@@ -140,7 +152,8 @@ class LongContextPlan:
 
 
 def long_context_plan(config: Any, window: int, *, seq: int, batch: int, adapter_bytes: int, device_memory: int,
-                      names: list[str] | None = None, loss_chunks: int | None = None) -> LongContextPlan:
+                      names: list[str] | None = None, loss_chunks: int | None = None,
+                      nf4_experts: bool = False) -> LongContextPlan:
     """The fewest long-sequence options whose estimate fits ``device_memory`` at ``seq`` (one micro-batch in
     flight): chunked_loss, then offload_boundaries, then sequence_chunks from 2 to 32; without a fit, all of
     them at 32 chunks and the longest length that fits. ``loss_chunks``: the chunked loss's vocabulary
@@ -156,7 +169,7 @@ def long_context_plan(config: Any, window: int, *, seq: int, batch: int, adapter
         return step_memory(config, window, seq=tokens, batch=batch, in_flight=1, adapter_bytes=adapter_bytes,
                            names=names, loss_chunks=loss_chunks if options.get("chunked_loss") else None,
                            offload_boundaries=bool(options.get("offload_boundaries")),
-                           sequence_chunks=options.get("sequence_chunks", 1))
+                           sequence_chunks=options.get("sequence_chunks", 1), nf4_experts=nf4_experts)
 
     for options in candidates:
         memory = estimate(options, seq)

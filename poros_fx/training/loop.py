@@ -279,12 +279,13 @@ def _fit_device_memory(o: TrainOptions, session: Session) -> dict[str, Any]:
         est = step_memory(session.config, window, seq=o.seq_len, batch=o.batch_size,
                           in_flight=o.accumulate if o.block_major else 1, adapter_bytes=adapter,
                           loss_chunks=loss_chunks if o.chunked_loss else None,
-                          offload_boundaries=bool(o.offload_boundaries), sequence_chunks=o.sequence_chunks or 1)
+                          offload_boundaries=bool(o.offload_boundaries), sequence_chunks=o.sequence_chunks or 1,
+                          nf4_experts=o.quantization == "nf4")
         need, what = est.total, f"the streamed step's estimated device memory at seq {o.seq_len}"
         if need > budget:
             chosen = {k: getattr(o, k) for k in LONG_SEQUENCE_OPTIONS}
             plan = long_context_plan(session.config, window, seq=o.seq_len, batch=o.batch_size, adapter_bytes=adapter,
-                                     device_memory=budget, loss_chunks=loss_chunks)
+                                     device_memory=budget, loss_chunks=loss_chunks, nf4_experts=o.quantization == "nf4")
             advice = long_sequence_advice(plan, chosen)
             # the plan counts one micro-batch in flight, and its options turn CUDA graphs off
             fits_plan = (o.accumulate == 1 or not o.block_major) and o.cuda_graphs is not True
