@@ -78,8 +78,9 @@ def test_user_asserted_layer_that_does_not_fit_a_region():
     poros_fx.prepare(model, device="cpu", family=family)
     model.base_model.model.transformer.h[0].attn.attn_dropout.p = 0.1
     ids = torch.randint(0, 64, (1, 16))
-    with pytest.raises(Exception) as err:
-        torch.compile(model, backend="poros")(input_ids=ids, labels=ids, use_cache=False)
+    with pytest.raises(Exception) as err:  # a padding mask: the attention branches on it (a cond)
+        torch.compile(model, backend="poros")(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids,
+                                              use_cache=False)
     assert "decoder layer 0 (GPT2Block) does not fit a poros region" in str(err.value)
     assert "regions=False" in str(err.value)
 
