@@ -133,7 +133,11 @@ def test_a_step_estimated_over_the_device_memory_is_refused_with_what_fits():
     store = get_store(model)
     lm = store.lm_ref()
     ids = torch.zeros(2, 4096, dtype=torch.long)
-    assert traced_tokens([torch.zeros(3), ids, ids.float()]) == (2, 4096)
+    buffer = torch.zeros(1, 8192, dtype=torch.long)  # an integer buffer before the inputs is not the tokens
+    assert traced_tokens(["L_self_buffers_position_ids_", "L_kwargs_input_ids_", "L_kwargs_labels_"],
+                         [buffer, ids, ids]) == (2, 4096)
+    assert traced_tokens(["L_self_buffers_position_ids_", "L_labels_"], [buffer, ids]) == (2, 4096)
+    assert traced_tokens(["L_inputs_embeds_"], [ids.float()[..., None]]) is None
 
     def need(offload: bool) -> int:  # the boundaries' share is what offloading changes at this size
         return step_estimate(store, lm, (2, 4096), offload_boundaries=offload).total

@@ -225,12 +225,12 @@ def _check_sequence_chunks(opts: PorosOptions, store: HostStore) -> None:
                                "PorosTrainer or poros-fx train set it")
 
 
-def _check_fits_device(store: HostStore, example_inputs: list[Any], schedule: Schedule) -> None:
+def _check_fits_device(store: HostStore, gm: fx.GraphModule, example_inputs: list[Any], schedule: Schedule) -> None:
     """A streamed CUDA training step estimated over the device's memory is refused before it runs
     (``device_fit.py``)."""
     if schedule.device.type != "cuda" or not schedule.stream or not torch.is_grad_enabled():
         return
-    tokens = traced_tokens(example_inputs)
+    tokens = traced_tokens([n.name for n in gm.graph.find_nodes(op="placeholder")], example_inputs)
     lm = store.lm_ref() if store.lm_ref is not None else None
     if tokens is None or lm is None:
         return
@@ -280,7 +280,7 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
         _check_chunked_loss(opts, store)
         _check_sequence_chunks(opts, store)
         _check_router_logits(store)
-        _check_fits_device(store, example_inputs, schedule)
+        _check_fits_device(store, gm, example_inputs, schedule)
         if device.type == "cuda" and opts.cuda_graphs is None and not opts.least_memory and not graphs:
             warnings.warn(f"poros: CUDA graphs {graphs_note}", stacklevel=2)  # the default fell back
         if graphs:

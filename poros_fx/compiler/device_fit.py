@@ -30,11 +30,14 @@ PARAMETRIZED = ".parametrizations."  # in the names of a parametrized weight's s
 # tokens (docs/bench/long_context/cap24/). A step refused here is over the memory by the estimate alone.
 
 
-def traced_tokens(example_inputs: Sequence[Any]) -> tuple[int, int] | None:
-    """``(batch, length)`` of the step's token ids (the first 2-D integer input), or ``None``."""
-    for t in example_inputs:
-        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point() and t.dtype != torch.bool:
-            return tuple(_hint(s) for s in t.shape)  # type: ignore[return-value]
+def traced_tokens(placeholders: Sequence[str], example_inputs: Sequence[Any]) -> tuple[int, int] | None:
+    """``(batch, length)`` of the step's token ids: the 2-D input Dynamo named after ``input_ids`` (else
+    ``labels``), by the names of its graph's ``placeholders``; ``None`` without one."""
+    named = dict(zip(placeholders, example_inputs))
+    for key in ("input_ids", "labels"):
+        for name, t in named.items():
+            if key in name and isinstance(t, torch.Tensor) and t.dim() == 2:
+                return tuple(_hint(s) for s in t.shape)  # type: ignore[return-value]
     return None
 
 
