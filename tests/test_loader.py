@@ -442,3 +442,18 @@ def test_nf4_experts_load_as_bitsandbytes_quantizes_each_expert(tmp_path, family
     config = transformers.AutoConfig.from_pretrained(path)
     assert load_report(model).host_bytes == poros_fx.stats(model)["host_bytes"] == loader.estimate_host_bytes(config, "nf4")
     assert poros_fx.stats(model)["block_bytes"] == block_bytes(config, "nf4")[1]
+
+
+def test_mxfp4_experts_are_refused_with_how_to_dequantize(tmp_path):
+    """gpt-oss's hub checkpoints keep their experts in MXFP4 (``gate_up_proj_blocks`` / ``_scales``, uint8): the
+    loader names them and says how to get a float checkpoint, before reading anything."""
+    path = save_checkpoint(tmp_path / "gpt_oss", "gpt_oss", shard=None, layers=1)
+    (file,) = path.glob("*.safetensors")
+    tensors = safetensors.torch.load_file(file)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, rows, cols = tensors.pop(name).shape
+        tensors[f"{name}_blocks"] = torch.zeros(experts, rows, cols // 32, 16, dtype=torch.uint8)
+        tensors[f"{name}_scales"] = torch.zeros(experts, rows, cols // 32, dtype=torch.uint8)
+    safetensors.torch.save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(LoaderError, match=r"stored in MXFP4 .*_blocks / _scales.*Mxfp4Config\(dequantize=True\)"):
+        load(path, lora=None)

@@ -149,6 +149,13 @@ def plan_reads(model: nn.Module, specs: dict[str, TensorSpec], folder: Path) -> 
             raise LoaderError(f"{spec.file}: tensor {spec.name!r} has shape {list(spec.shape)}, the model built from "
                               f"config.json expects {list(expected)} (config and weights from different models?)")
         plan.append((names, spec))
+    mxfp4 = [n for n in missing if f"{n}_blocks" in specs and f"{n}_scales" in specs]
+    if mxfp4:
+        raise LoaderError(f"{folder}: {few(mxfp4)} are stored in MXFP4 (gpt-oss's {mxfp4[0]}_blocks / _scales); "
+                          "poros-fx loads float checkpoints only. Dequantize it once: transformers' "
+                          "from_pretrained(folder, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)"
+                          ".save_pretrained(new_folder), then load new_folder (quantization='nf4' quantizes the "
+                          "experts per expert matrix)")
     if missing:
         raise LoaderError(f"{folder}: the checkpoint has no tensor for {len(missing)} model weight(s): "
                           f"{few(missing)} (a different architecture, or an incomplete save?)")
