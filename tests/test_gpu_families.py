@@ -1,4 +1,4 @@
-"""GPU parity for Qwen3.5, Gemma 4 and Phi-3 (``pytest -m gpu tests/test_gpu_families.py``; skipped without CUDA).
+"""GPU parity for Qwen3.5, Gemma 4, Phi-3 and the mixture-of-experts families (``pytest -m gpu tests/test_gpu_families.py``; skipped without CUDA).
 
 Four layers of each family at a small width on the H200, deterministic algorithms on: streamed ==
 ``stream=False`` on every surface over 20 optimizer steps (``POROS_FX_GPU_STEPS``) (LoRA dropout 0.1, accumulation 2 block-major,
@@ -33,6 +33,11 @@ CASES = {
     "gemma4_all": ("gemma4_text", gemma4_options()),
     "gemma4_31b_like": ("gemma4_text", {"attention_k_eq_v": True}),
     "phi3": ("phi3", {"intermediate": 1376}),
+    # mixture-of-experts families: NF4 bases quantize the fused experts too (io/nf4_experts.py)
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_5_moe": ("qwen3_5_moe_text", {}),
+    "gpt_oss": ("gpt_oss", {}),
+    "mixtral": ("mixtral", {}),
 }
 
 

@@ -15,7 +15,7 @@ from ..models.tiny import SHAPE_CONFIGS, qwen25_config, shape_config, tiny_confi
 
 NO_CUDA_MESSAGE = "poros-fx bench needs a CUDA GPU; use --device cpu --models tiny for a smoke run"
 SIZES = ("0.5b", "7b", "32b", "72b")
-# the two real shapes of other families (models/configs/): qwen3.5-27b, gemma-4-31b
+# the real shapes of other families (models/configs/) follow the Qwen2.5 sizes
 MODEL_ORDER = ("tiny", *(f"qwen2.5-{s}" for s in SIZES), *SHAPE_CONFIGS)
 DEFAULT_MODELS = "0.5b,7b,32b,72b"
 DEFAULT_METHODS = "peft_resident,peft_checkpointing,poros,poros_resident"

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from .config import DEFAULT_METHODS, MULTI_METHODS, MULTI_TIMEOUT_S, MULTI_WARMUP
+from ..models.tiny import SHAPE_CONFIGS
 from .methods import METHODS
 
-MODELS_HELP = "comma-separated: tiny, 0.5b, 7b, 32b, 72b (Qwen2.5 shapes), qwen3.5-27b, gemma-4-31b"
+MODELS_HELP = f"comma-separated: tiny, 0.5b, 7b, 32b, 72b (Qwen2.5 shapes), {', '.join(SHAPE_CONFIGS)}"
 MULTI_ONLY = "multi-GPU rows (--nproc) only"
 HELP = {
     "models": MODELS_HELP + "; with --nproc, the first",
