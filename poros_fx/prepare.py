@@ -28,8 +28,9 @@ from torch import nn
 from . import attention, loss
 from .adapter_hooks import follow
 from .compiler import ops
-from .compiler.regions import RegionTable, check_no_dora_on_nf4, layer_forward, mode_modules
+from .compiler.regions import RegionTable, check_no_dora_on_nf4, check_parameter_lora, layer_forward, mode_modules
 from .compiler.regions import state as regions_state
+from .compiler.regions.parameter_lora import check_targets_adapted, target_parameters
 from .compiler.regions.sequence_chunks import CHUNKS_ATTR, MLP_ATTR
 from .errors import NoBlocksError, PorosConfigError
 from .families import Family, layer_list, resolve
@@ -131,8 +132,11 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
                             f"block by block and needs that list (family {fam.model_type!r} says it is there)"
                             + (f"; this model's layer list is {found!r}: user_asserted({fam.model_type!r}, "
                                f"layers={found!r}, ...)" if found and found != fam.layers else ""))
-    for layer in layers:
+    targets = target_parameters(model)
+    for index, layer in enumerate(layers):
         check_no_dora_on_nf4(layer)
+        check_parameter_lora(layer, regions)
+        check_targets_adapted(layer, targets, index)
     attention.check_no_dropout(config)
     _place_on_device(model, device)  # after every check above: a refused model is left where it was
 

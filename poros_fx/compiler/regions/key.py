@@ -31,6 +31,7 @@ from torch.nn.utils import parametrize
 
 from ...errors import PorosConfigError
 from .call import SEP
+from .parameter_lora import is_parameter_lora
 
 # -- what makes two layers one region --------------------------------------------------------------------
 
@@ -144,22 +145,27 @@ def check_not_merged(layer: nn.Module) -> None:
 
 PARAMETER_LORA_ERROR = (
     "LoRA on the parameter {name!r} (PEFT's target_parameters; or target_modules naming a mixture of experts' fused "
-    "weights such as 'gate_up_proj' / 'down_proj' bare, which PEFT then adapts as parameters) is not supported yet: "
-    "adapt the layers' linear modules only (the attention's q_proj, k_proj, v_proj, o_proj, a shared expert's "
-    "'shared_expert.gate_proj', ...)")
+    "weights such as 'gate_up_proj' / 'down_proj' bare, which PEFT then adapts as parameters) runs in a decoder "
+    "layer's region only, and this model was prepared with regions=False: prepare it with regions=True (the default), "
+    "or adapt the layers' linear modules only")
 DORA_NF4_ERROR = ("DoRA (LoraConfig(use_dora=True)) on an NF4 base is not supported: PEFT's DoRA reads the base "
                   "weight as a bitsandbytes Params4bit to dequantize it, and a streamed base hands it a loaded copy of "
                   "the packed bytes. Use plain LoRA (use_dora=False), or DoRA on a bf16 / fp32 base")
 
 
 def check_no_dora_on_nf4(layer: nn.Module) -> None:
-    """PEFT's DoRA over a bitsandbytes 4-bit layer would scale by the norm of the packed weight: refuse it.
-    PEFT's LoRA on a parameter (``target_parameters``: a mixture of experts' fused 3-D weights) is refused
-    too: a region cannot trace the parametrization it adds."""
+    """PEFT's DoRA over a bitsandbytes 4-bit layer would scale by the norm of the packed weight: refuse it."""
     for module in layer.modules():
         if getattr(module, "lora_magnitude_vector", None) and type(getattr(module, "base_layer", None)).__name__ == "Linear4bit":
             raise PorosConfigError(DORA_NF4_ERROR)
-        if type(module).__name__ == "ParamWrapper" and hasattr(module, "parameter_name"):
+
+
+def check_parameter_lora(layer: nn.Module, regions: bool) -> None:
+    """PEFT's LoRA on a parameter (``target_parameters``: a mixture of experts' fused 3-D weights) runs in a
+    region (``parameter_lora.py``); without regions Dynamo would trace the parametrization PEFT registers
+    inside each forward: refuse it there."""
+    for module in layer.modules():
+        if not regions and is_parameter_lora(module):
             raise PorosConfigError(PARAMETER_LORA_ERROR.format(name=module.parameter_name))
 
 

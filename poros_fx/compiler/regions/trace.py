@@ -35,6 +35,7 @@ from ..graph_metadata import forget_module_classes
 from ..ops import LOAD
 from .call import rebuild_call, state_mapping
 from .key import autocast_of, state_names
+from .parameter_lora import with_parameter_lora
 from .sequence_chunks import chunked_layer, static_rng_states, tag_recompute
 from .shapes import Expressions, Signature, TensorMeta, TensorSpec, new_env, read, read_plan, trace_inputs
 
@@ -302,7 +303,7 @@ def _trace(layer: nn.Module, call: str, grads: str, metas: list[TensorMeta], ind
         carried = state_mapping(args, kwargs)
         before = dict(carried) if carried is not None else {}
         with torch.nn.utils.stateless._reparametrize_module(layer, state):
-            out = layer_class.forward(chunked_layer(layer), *args, **kwargs)
+            out = layer_class.forward(chunked_layer(with_parameter_lora(layer)), *args, **kwargs)
         if not isinstance(out, torch.Tensor):
             raise PorosConfigError(f"decoder layer {type(layer).__name__} returned {type(out).__name__}; a region "
                                    "takes layers that return their hidden states as one tensor (transformers 5)")
