@@ -7,16 +7,14 @@ config, LoRA dropout 0.1 on every decoder-layer linear, gradient accumulation 2,
 
 import warnings
 
-import peft
 import pytest
 import torch
 
 import poros_fx
-from poros_fx.errors import PorosConfigError
 from poros_fx.exactness.parity import SURFACES, adamw, compare, format_diffs, train
 from poros_fx.compiler import block_graph
 from poros_fx.prepare import get_store
-from poros_fx.models.tiny import base_model, demo_batches, gemma4_options, lora_targets, tiny_config, tiny_lora_model
+from poros_fx.models.tiny import demo_batches, gemma4_options, lora_targets, tiny_config, tiny_lora_model
 
 STEPS = 8
 ACCUMULATE = 2
@@ -69,15 +67,6 @@ def test_family_streamed_equals_resident_and_eager(family):
     eager, _ = run("eager", family, **case)
     diffs = compare(streamed, eager)
     assert diffs == ZERO, format_diffs(f"{family} streamed vs eager", diffs)
-
-
-def test_lora_on_expert_parameters_is_refused_at_prepare():
-    """PEFT adapts a mixture of experts' fused 3-D weights as parameters (target_parameters); a region cannot
-    trace that yet: prepare says so and what to adapt instead."""
-    lora = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"])
-    model = peft.get_peft_model(base_model(tiny_config("qwen3_moe")), lora)
-    with pytest.raises(PorosConfigError, match="LoRA on the parameter 'down_proj'.*not supported yet"):
-        poros_fx.prepare(model, device="cpu")
 
 
 def test_router_logits_are_refused_before_the_first_step():

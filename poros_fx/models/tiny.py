@@ -7,6 +7,7 @@ the demo (``poros-fx demo``), the parity example and the tests.
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -35,6 +36,9 @@ GEMMA4_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj", "mlp.
 # which PEFT would adapt as parameters (target_parameters) if these names were given bare; the routers are
 # not adapted
 MOE_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# LoRA on the experts themselves: PEFT's target_parameters (a float experts weight matches by its name's end; an
+# NF4 one, parametrized, only by its full path: expert_parameter_paths)
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 QWEN3_5_MOE_TARGETS = (*MOE_TARGETS, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
                        "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj")
 
@@ -182,16 +186,34 @@ def base_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = to
     return model
 
 
+def expert_parameter_paths(model: nn.Module, names: Sequence[str] = EXPERT_PARAMETERS) -> list[str]:
+    """PEFT ``target_parameters`` for the experts weights ``names`` of every layer: the name's end for float
+    experts, the full path of each layer's weight for NF4 (parametrized) experts, which PEFT matches only so."""
+    paths = []
+    for module_name, module in model.named_modules():
+        for name in names:
+            owner, _, tensor = name.rpartition(".")
+            if module_name == owner or module_name.endswith("." + owner):
+                parametrizations = getattr(module, "parametrizations", {})
+                if tensor in parametrizations:
+                    paths.append(f"{module_name}.{tensor}")
+                elif tensor in module._parameters and name not in paths:
+                    paths.append(name)
+    return paths
+
+
 def add_lora(model: nn.Module, *, rank: int = 8, alpha: float | None = None, dropout: float = 0.1,
-             targets: list[str] | None = None, dora: bool = False, seed: int = 0) -> nn.Module:
-    """``model`` with a LoRA adapter (``targets``: default every decoder-layer linear) whose B is non-zero,
-    so every adapter weight has a gradient from the first step."""
+             targets: list[str] | None = None, dora: bool = False, seed: int = 0,
+             parameters: Sequence[str] = ()) -> nn.Module:
+    """``model`` with a LoRA adapter (``targets``: default every decoder-layer linear; ``parameters``: PEFT's
+    ``target_parameters``, e.g. ``expert_parameter_paths(model)``) whose B is non-zero, so every adapter
+    weight has a gradient from the first step."""
     import peft
 
     torch.manual_seed(seed + 1)
     lora = peft.LoraConfig(r=rank, lora_alpha=2 * rank if alpha is None else alpha, lora_dropout=dropout,
                            target_modules=targets or lora_targets(model.config.model_type),
-                           init_lora_weights="gaussian", use_dora=dora)
+                           target_parameters=list(parameters) or None, init_lora_weights="gaussian", use_dora=dora)
     with quiet_peft():  # peft's read of a property transformers deprecated (see quiet_peft)
         model = peft.get_peft_model(model, lora)
     with torch.no_grad():

@@ -1,0 +1,78 @@
+"""LoRA on a mixture of experts' fused weights (PEFT's ``target_parameters``) in a region
+(``poros_fx/compiler/regions/parameter_lora.py``).
+
+Float experts: streamed (accumulation 2, block-major) == ``stream=False`` == the plain eager PEFT loop, for
+Qwen3-MoE's experts layout and gpt-oss's transposed one with biases. NF4 experts (named by full path, which
+is how PEFT matches a parametrized weight): streamed == ``stream=False``; PEFT's own forward cannot run them.
+"""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+
+import poros_fx
+from poros_fx.errors import PorosConfigError
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.models.tiny import add_lora, base_model, demo_batches, expert_parameter_paths, lora_targets, tiny_config
+
+EQUAL = {s: 0.0 for s in SURFACES}
+
+
+def run(mode: str, family: str, *, nf4: bool = False) -> tuple:
+    torch._dynamo.reset()
+    base = base_model(tiny_config(family, layers=2), dtype=torch.bfloat16, nf4=nf4)
+    # PEFT refuses LoRA dropout on a parameter
+    model = add_lora(base, targets=list(lora_targets(family)), dropout=0.0, parameters=expert_parameter_paths(base))
+    step_model = model
+    if mode != "eager":
+        poros_fx.prepare(model, device="cpu", codegen="eager")
+        step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
+    batches = demo_batches(4, vocab=256, seq=16, batch=2, seed=3)
+    return train(model, step_model, batches, accumulate=2, block_major=mode == "stream"), model
+
+
+def expert_adapters(model) -> list[torch.Tensor]:
+    return [p for n, p in model.named_parameters() if "experts.lora_" in n or "experts.base_layer.lora_" in n]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_lora_on_float_experts_is_exact_to_both_references(family):
+    streamed, model = run("stream", family)
+    adapters = expert_adapters(model)
+    assert len(adapters) == 2 * 2 * 2  # two layers, two weights, A and B
+    resident, _ = run("resident", family)
+    assert compare(streamed, resident) == EQUAL, format_diffs(f"{family} streamed vs stream=False",
+                                                              compare(streamed, resident))
+    eager, eager_model = run("eager", family)
+    assert compare(streamed, eager) == EQUAL, format_diffs(f"{family} streamed vs eager", compare(streamed, eager))
+    # the experts' adapters trained (LoRA B starts non-zero, so A moves from the first step)
+    fresh = expert_adapters(add_lora(base_model(tiny_config(family, layers=2), dtype=torch.bfloat16),
+                                     targets=list(lora_targets(family)), dropout=0.0,
+                                     parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    assert all(not torch.equal(a, b) for a, b in zip(adapters, fresh))
+
+
+def test_lora_on_nf4_experts_streams_exactly_to_stream_false():
+    streamed, model = run("stream", "qwen3_moe", nf4=True)
+    assert len(expert_adapters(model)) == 8
+    resident, _ = run("resident", "qwen3_moe", nf4=True)
+    assert compare(streamed, resident) == EQUAL, format_diffs("NF4 experts streamed vs stream=False",
+                                                              compare(streamed, resident))
+
+
+def test_a_bare_expert_name_peft_skipped_on_nf4_experts_is_refused():
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"])
+    with pytest.warns(RuntimeWarning, match="no parameter was matched"):
+        model = peft.get_peft_model(base_model(tiny_config("qwen3_moe"), dtype=torch.bfloat16, nf4=True), lora)
+    with pytest.raises(PorosConfigError, match=r"'mlp.experts.down_proj' names decoder layer 0's mlp.experts.down_proj"
+                                               r".*full module path"):
+        poros_fx.prepare(model, device="cpu")
+
+
+def test_lora_on_expert_parameters_without_regions_is_refused():
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"])
+    model = peft.get_peft_model(base_model(tiny_config("qwen3_moe")), lora)
+    with pytest.raises(PorosConfigError, match="LoRA on the parameter 'down_proj'.*regions=False"):
+        poros_fx.prepare(model, device="cpu", regions=False)
