@@ -125,7 +125,8 @@ def eager_rows(head: nn.Linear) -> Rows:
 # -- the prepared causal LM's forward --------------------------------------------------------------
 
 LM_ATTRS = ("_poros_chunked_loss", "_poros_loss_chunks", "_poros_loss_rows", "_poros_lm_class", "_poros_lm_params",
-            "_poros_decoder", "_poros_no_training_cache", "_poros_lm_keywords")
+            "_poros_decoder", "_poros_no_training_cache", "_poros_lm_keywords", "_poros_parameter_lora")
+PARAMETER_LORA_ATTR = "_poros_parameter_lora"  # set by prepare: a decoder layer has LoRA on a parameter
 # what a call may carry and still number each row's tokens 0..n-1 as one sequence (attention.ONE_SEQUENCE_PER_ROW)
 ONE_SEQUENCE_KEYS = frozenset({"input_ids", "inputs_embeds", "labels", "use_cache", "num_items_in_batch",
                                "logits_to_keep", "return_dict", "shift_labels"})
@@ -186,10 +187,12 @@ def _causal_lm_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """``*ForCausalLM.forward`` with the head and loss chunked (see ``install``)."""
     original = self._poros_lm_class.forward
     kwargs = {**dict(zip(self._poros_lm_params, args)), **kwargs}
-    if (self._poros_no_training_cache and torch.is_grad_enabled() and "use_cache" in self._poros_lm_params
+    if (self._poros_no_training_cache and (torch.is_grad_enabled() or self.__dict__.get(PARAMETER_LORA_ATTR, False))
+            and "use_cache" in self._poros_lm_params
             and kwargs.get("use_cache") is None and kwargs.get("past_key_values") is None):
         # a training step reads no cache; building one (transformers' default) breaks Dynamo's graph at
-        # a sliding-window layer and keeps the decoder layers from running as regions
+        # a sliding-window layer and keeps the decoder layers from running as regions (which LoRA on a
+        # parameter needs in an evaluation without gradients too)
         kwargs["use_cache"] = False
     if (self._poros_lm_keywords and getattr(self.config, "_attn_implementation", None) == attention.NAME
             and all(value is None or key in ONE_SEQUENCE_KEYS for key, value in kwargs.items())):

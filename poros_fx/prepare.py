@@ -30,7 +30,7 @@ from .adapter_hooks import follow
 from .compiler import ops
 from .compiler.regions import RegionTable, check_no_dora_on_nf4, check_parameter_lora, layer_forward, mode_modules
 from .compiler.regions import state as regions_state
-from .compiler.regions.parameter_lora import check_targets_adapted, target_parameters
+from .compiler.regions.parameter_lora import check_targets_adapted, is_parameter_lora, target_parameters
 from .compiler.regions.sequence_chunks import CHUNKS_ATTR, MLP_ATTR
 from .errors import NoBlocksError, PorosConfigError
 from .families import Family, layer_list, resolve
@@ -202,8 +202,11 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
             _move_param(store, f"{mod_name}.{n}" if mod_name else n, module._parameters[n],
                         tuple(sorted(reader_blocks[id(module._parameters[n])])))
         original = type(module)
-        # a module's frozen tensors may have any names (Gated DeltaNet's A_log, dt_bias): one property each
-        key = (original, module is chunked_head, tuple(sorted(set(frozen) | {"weight", "bias"})))
+        # a module's frozen tensors may have any names (Gated DeltaNet's A_log, dt_bias): one property each;
+        # weight and bias where the module has them (a bias of None too), so hasattr stays as it was (PEFT
+        # reads a wrapped module's device off .weight when it has one)
+        names = set(frozen) | ({"weight", "bias"} & module._parameters.keys())
+        key = (original, module is chunked_head, tuple(sorted(names)))
         if key not in classes:
             classes[key] = poros_class(original, module, chunked=module is chunked_head, names=key[2])
         module.__class__ = classes[key]
@@ -211,7 +214,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
         module._poros_frozen = tuple(frozen)
         store.undo.append(lambda module=module, original=original: restore_class(module, original))
     if regions:
-        _make_regions(store, layers)
+        _make_regions(store, layers, lm)
     elif sequence_chunks > 1:
         raise PorosConfigError(f"sequence_chunks={sequence_chunks} runs each decoder layer's MLP and projections in "
                                "token chunks inside its region; prepare(..., regions=False) has no regions: leave one of the two out")
@@ -228,7 +231,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
     return model
 
 
-def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
+def _make_regions(store: HostStore, layers: nn.ModuleList, lm: nn.Module) -> None:
     """Each decoder layer gets a class whose forward is one ``poros::region`` call under torch.compile
     (``compiler/regions/``), and the store a table of the regions traced from them."""
     store.regions = RegionTable(list(layers))
@@ -245,7 +248,7 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
         layer._poros_layer = index
         layer._poros_device = store.device
         set_layer_chunks(layer, store.family.mlp, store.sequence_chunks)
-        _list_tensors(layer, hosts)
+        _list_tensors(layer, hosts, lm)
         block = _host_block(store, layer._poros_hosts)
         layer._poros_block = block
         layer._poros_block_views = None if block is None else tuple(
@@ -266,15 +269,23 @@ def _make_regions(store: HostStore, layers: nn.ModuleList) -> None:
                 layer.__dict__.pop(attr, None)
 
         store.undo.append(undo)
-    follower = follow(list(layers), lambda layer: _list_tensors(layer, hosts))
+    follower = follow(list(layers), lambda layer: _list_tensors(layer, hosts, lm))
     store.followers.append(follower)  # alive as long as the store (adapter_hooks.py)
     store.undo.append(follower.remove)
 
 
-def _list_tensors(layer: nn.Module, hosts: set[int]) -> None:
+def _list_tensors(layer: nn.Module, hosts: set[int], lm: nn.Module) -> None:
     """The layer's tensors as plain lists, in ``regions.state`` order: Dynamo reads them far faster than
-    ``named_parameters()`` (compiler/regions/). Host tensors (``hosts``: their ids) are loaded."""
+    ``named_parameters()`` (compiler/regions/). Host tensors (``hosts``: their ids) are loaded. LoRA on a
+    parameter marks ``lm`` (``loss.PARAMETER_LORA_ATTR``): its layers must run as regions, so no call builds
+    a cache (a layer given one runs inline, where Dynamo cannot trace PEFT's parametrization)."""
     check_no_dora_on_nf4(layer)  # an adapter attached after prepare comes through here too
+    for module in layer.modules():
+        if is_parameter_lora(module):
+            # PEFT places an adapter attached after prepare where the wrapped module's first parameter is: a
+            # module without a weight (experts) has only host tensors there
+            _place_on_device(module, layer._poros_device)
+            lm.__dict__[loss.PARAMETER_LORA_ATTR] = True
     tensors = [t for _, t in regions_state(layer)]
     layer._poros_modules, layer._poros_adapters = mode_modules(layer)
     layer._poros_own = [t for t in tensors if id(t) not in hosts]

@@ -74,7 +74,7 @@ def test_drawn_training_runs_are_exact_or_refused(shard: int) -> None:
 TRAINER_AUTOCAST_DELTANET = (
     "TrainingConfig(shape=Shape(family='qwen3_5_text', layers=2, heads=3, kv_heads=3, head_dim=10, intermediate=79, "
     "vocab=137, config=(('attn', 'eager'), ('layer_types', ('linear_attention', 'full_attention')))), base='bf16', "
-    "rank=8, alpha=16, dropout=0.1, targets=('in_proj_b',), dora=False, attach_after_prepare=False, "
+    "rank=8, alpha=16, dropout=0.1, targets=('in_proj_b',), expert_lora=False, dora=False, attach_after_prepare=False, "
     "data=Data(batch=3, lengths=(19,), padding='none', ignored=False, num_items=False, seed=1), surface='trainer', "
     "accumulate=1, steps=1, block_major=False, clip=None, toggles=(), edit_adapter=False, resume_at=None, "
     "options=(('block_size', 1), ('codegen', 'eager'), ('prefetch', 1)), deterministic=False, tf32=False, "
@@ -98,7 +98,7 @@ def test_trainer_autocast_dropout_on_gated_deltanet_equals_the_plain_trainer() -
 DELTANET_QKV_ACCUMULATED = (
     "TrainingConfig(shape=Shape(family='qwen3_5_text', layers=3, heads=6, kv_heads=2, head_dim=14, intermediate=241, "
     "vocab=111, config=(('attention_dropout', 0.1), ('attn', 'eager'), ('layer_types', ('linear_attention', 'full_attention', 'full_attention')))), "
-    "base='fp32', rank=3, alpha=16, dropout=0.0, targets=('in_proj_qkv',), dora=False, attach_after_prepare=False, "
+    "base='fp32', rank=3, alpha=16, dropout=0.0, targets=('in_proj_qkv',), expert_lora=False, dora=False, attach_after_prepare=False, "
     "data=Data(batch=2, lengths=(19, 19, 19, 19), padding='right', ignored=False, num_items=True, seed=80), "
     "surface='compile', accumulate=2, steps=2, block_major=False, clip=None, toggles=(), edit_adapter=False, "
     "resume_at=None, options=(('block_size', 2), ('codegen', 'eager')), deterministic=False, tf32=False, "
@@ -121,7 +121,7 @@ def test_accumulated_lora_on_gated_deltanet_qkv_equals_the_eager_loop() -> None:
 DELTANET_INDUCTOR_LENGTHS = (
     "TrainingConfig(shape=Shape(family='qwen3_5_text', layers=2, heads=3, kv_heads=1, head_dim=10, intermediate=69, "
     "vocab=71, config=(('layer_types', ('full_attention', 'linear_attention')),)), base='nf4', rank=3, alpha=16, "
-    "dropout=0.0, targets=('in_proj_qkv', 'q_proj'), dora=False, attach_after_prepare=False, "
+    "dropout=0.0, targets=('in_proj_qkv', 'q_proj'), expert_lora=False, dora=False, attach_after_prepare=False, "
     "data=Data(batch=1, lengths=(4, 12), padding='none', ignored=False, num_items=True, seed=66), surface='step', "
     "accumulate=2, steps=1, block_major=False, clip=None, toggles=(), edit_adapter=False, resume_at=None, "
     "options=(('codegen', 'inductor'),), deterministic=True, tf32=False, autocast=False, fast_sdpa=False, seed=782)")

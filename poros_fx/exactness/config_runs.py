@@ -30,7 +30,7 @@ from ..prepare import prepare
 from ..runtime.accumulate import block_major
 from ..step import step as poros_step
 from .parity import Trace, compare, optimizer_step
-from ..models.tiny import add_lora, base_model, tiny_config
+from ..models.tiny import add_lora, base_model, expert_parameter_paths, tiny_config
 from ..models.tiny_tokenizer import chat_records, tiny_tokenizer
 from .training_configs import EXPERT_COUNT, TrainingConfig
 
@@ -103,7 +103,8 @@ def build(config: TrainingConfig, *, attach: bool = True) -> nn.Module:
 def attach_lora(config: TrainingConfig, model: nn.Module) -> nn.Module:
     try:
         return add_lora(model, rank=config.rank, alpha=config.alpha, dropout=config.dropout,
-                        targets=list(config.targets), dora=config.dora, seed=config.seed)
+                        targets=list(config.targets), dora=config.dora, seed=config.seed,
+                        parameters=expert_parameter_paths(model) if config.expert_lora else ())
     except ValueError as e:
         if isinstance(e, PorosError):
             raise
@@ -471,10 +472,12 @@ def eager_step(config: TrainingConfig, device: torch.device) -> None:
 
 def eager_comparable(config: TrainingConfig) -> bool:
     """Whether the plain eager loop is a reference too: aten regions, HF's own loss, the MLP on the whole
-    sequence at once, and not the open difference ``known_eager_difference`` names."""
+    sequence at once, not LoRA on NF4 experts (PEFT's own forward cannot stack its parametrization on
+    theirs), and not the open difference ``known_eager_difference`` names."""
     options = config.option_dict
     return (options.get("codegen") == "eager" and not options.get("chunked_loss")
-            and options.get("sequence_chunks", 1) == 1 and not known_eager_difference(config))
+            and options.get("sequence_chunks", 1) == 1 and not (config.expert_lora and config.base.startswith("nf4"))
+            and not known_eager_difference(config))
 
 
 def known_eager_difference(config: TrainingConfig) -> bool:

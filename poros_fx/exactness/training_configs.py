@@ -3,7 +3,8 @@
 One ``TrainingConfig`` is a complete training run a user could write: the family at a tiny shape whose
 widths are not multiples of 8 (hidden, intermediate, head dims, vocabulary; Gemma 4's and Qwen3.5's
 layer patterns), the base (fp32, bf16, NF4 with or without nested quantization state), the adapter
-(rank, alpha, dropout, a subset of targets, DoRA, attached after ``prepare``), the data (a fixed length
+(rank, alpha, dropout, a subset of targets, DoRA, LoRA on a mixture of experts' fused weights, attached
+after ``prepare``), the data (a fixed length
 or a new one per step, longer ones with ``sequence_chunks``, padded batches with an attention mask,
 labels with -100, ``num_items_in_batch``),
 the surface the user trains through, accumulation (block-major or not), clipping, mode toggles and an
@@ -78,6 +79,7 @@ class TrainingConfig:
     alpha: int
     dropout: float
     targets: tuple[str, ...]
+    expert_lora: bool  # LoRA on the experts' fused weights too (PEFT's target_parameters)
     dora: bool
     attach_after_prepare: bool
     data: Data
@@ -109,7 +111,7 @@ class TrainingConfig:
                                         ("F", self.fast_sdpa)) if on)
         return (f"{self.surface} {s.family} L{s.layers} h{s.hidden}/{s.heads}x{s.head_dim} kv{s.kv_heads} "
                 f"i{s.intermediate} v{s.vocab}{' ' + extra if extra else ''} | {self.base} r{self.rank} a{self.alpha} "
-                f"p{self.dropout} t{len(self.targets)}{' dora' if self.dora else ''}"
+                f"p{self.dropout} t{len(self.targets)}{' experts' if self.expert_lora else ''}{' dora' if self.dora else ''}"
                 f"{' attach-after' if self.attach_after_prepare else ''} | b{d.batch} len{list(d.lengths)} "
                 f"pad={d.padding}{' ign' if d.ignored else ''}{' nib' if d.num_items else ''} | acc{self.accumulate}"
                 f"x{self.steps}{' bm' if self.block_major else ''}{f' clip{self.clip}' if self.clip else ''}"
@@ -173,6 +175,11 @@ def shapes(draw: st.DrawFn) -> Shape:
                  intermediate=intermediate, vocab=vocab, config=tuple(sorted(config.items())))
 
 
+def has_experts(shape: Shape) -> bool:
+    """A mixture-of-experts family, or Gemma 4 with its experts block."""
+    return shape.family in EXPERT_COUNT or bool(dict(shape.config).get("enable_moe_block"))
+
+
 @st.composite
 def configs(draw: st.DrawFn, device: str = "cpu") -> TrainingConfig:
     """A whole training run for ``device`` ("cpu" or "cuda"); CUDA-only options are drawn on CUDA only."""
@@ -215,10 +222,15 @@ def configs(draw: st.DrawFn, device: str = "cpu") -> TrainingConfig:
     # DoRA attached to an already prepared NF4 base fails inside PEFT's own DoRA set-up (it dequantizes the
     # host weight); prepare refuses DoRA on NF4 when the adapter is there first
     dora = draw(st.integers(0, 7)) == 0 and not (surface_attach and base.startswith("nf4"))
+    dropout = draw(st.sampled_from([0.0, 0.1]))
+    # PEFT's LoRA on a parameter takes neither dropout nor DoRA
+    expert_lora = has_experts(shape) and draw(st.integers(0, 2)) == 0
+    if expert_lora:
+        dropout, dora = 0.0, False
     toggles = tuple(draw(st.lists(st.sampled_from(TOGGLES), max_size=3))) if surface == "compile" else ()
     return TrainingConfig(
         shape=shape, base=base, rank=rank, alpha=draw(st.sampled_from([rank, 2 * rank, 16])),
-        dropout=draw(st.sampled_from([0.0, 0.1])), targets=targets, dora=dora,
+        dropout=dropout, targets=targets, expert_lora=expert_lora, dora=dora,
         attach_after_prepare=surface_attach, data=data, surface=surface,
         accumulate=accumulate, steps=steps, block_major=draw(st.booleans()),
         clip=draw(st.sampled_from([None, 0.05, 1.0])), toggles=toggles,

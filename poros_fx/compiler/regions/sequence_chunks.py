@@ -72,7 +72,9 @@ class TokenChunks(nn.Module):
         for i in range(self.chunks):
             start, stop = i * tokens // self.chunks, (i + 1) * tokens // self.chunks
             with fx_traceback.annotate({CHUNK: self.first_label + i}):
-                out = self.inner(hidden[..., start:stop, :])
+                # contiguous: a chunk of a batch of rows is a strided slice, and a module may view it flat
+                # (Qwen3.5-MoE's experts block); at batch 1 it is contiguous already and nothing is copied
+                out = self.inner(hidden[..., start:stop, :].contiguous())
             if not isinstance(out, torch.Tensor):
                 raise TypeError(f"sequence_chunks: {what} returned {type(out).__name__}, not one tensor; only a "
                                 "module applied token by token can run in chunks")
