@@ -201,6 +201,7 @@ def test_every_option_has_its_one_help_and_is_listed(capsys):
     (("--worker", "other"), "--worker must be one of multi-gpu, unsloth"),
     (("--device-memory-cap", "24GB"), "--device-memory-cap caps CUDA memory; leave it out with --device cpu"),
     (("--nproc", "2", "--sequence-chunks", "4"), "--sequence-chunks does not apply to the multi-GPU rows"),
+    (("--expert-lora",), "--expert-lora adapts a mixture of experts' experts; none of tiny has any"),
 ])
 def test_a_bad_option_is_one_error_line(capsys, args, says):
     code, out, err = run_cli(capsys, "bench", "--device", "cpu", "--models", "tiny", *args)

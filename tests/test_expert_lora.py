@@ -15,7 +15,8 @@ import torch
 import poros_fx
 from poros_fx.errors import PorosConfigError
 from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
-from poros_fx.models.tiny import add_lora, base_model, demo_batches, expert_parameter_paths, lora_targets, tiny_config
+from poros_fx.models.tiny import (add_lora, base_model, demo_batches, expert_parameter_paths, expert_paths_of_config,
+                                  lora_targets, tiny_config)
 
 EQUAL = {s: 0.0 for s in SURFACES}
 
@@ -76,3 +77,18 @@ def test_lora_on_expert_parameters_without_regions_is_refused():
     model = peft.get_peft_model(base_model(tiny_config("qwen3_moe")), lora)
     with pytest.raises(PorosConfigError, match="LoRA on the parameter 'down_proj'.*regions=False"):
         poros_fx.prepare(model, device="cpu", regions=False)
+
+
+def test_the_loader_attaches_lora_to_every_layers_nf4_experts_by_full_path():
+    """What ``poros-fx bench --expert-lora`` builds: ``from_config`` with NF4 experts and the full paths of
+    ``expert_paths_of_config``; every layer's two experts weights are adapted and a compiled step trains them."""
+    config = tiny_config("qwen3_moe", layers=2)
+    paths = expert_paths_of_config(config)
+    assert paths == [f"model.layers.{i}.mlp.experts.{n}" for i in range(2) for n in ("gate_up_proj", "down_proj")]
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(lora_targets("qwen3_moe")), target_parameters=paths)
+    model = poros_fx.from_config(config, "nf4", device="cpu", seed=0, lora=lora, progress=False)
+    assert len(expert_adapters(model)) == 8
+    ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    torch.compile(model, backend="poros")(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in expert_adapters(model))
+    assert expert_paths_of_config(tiny_config("qwen2")) == []

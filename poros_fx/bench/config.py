@@ -11,7 +11,7 @@ import torch
 from .methods import METHODS, Method, State
 from ..errors import PorosConfigError
 from ..units import parse_size
-from ..models.tiny import SHAPE_CONFIGS, qwen25_config, shape_config, tiny_config
+from ..models.tiny import SHAPE_CONFIGS, expert_paths_of_config, qwen25_config, shape_config, tiny_config
 
 NO_CUDA_MESSAGE = "poros-fx bench needs a CUDA GPU; use --device cpu --models tiny for a smoke run"
 SIZES = ("0.5b", "7b", "32b", "72b")
@@ -55,6 +55,7 @@ class BenchConfig:
     compile_warm: bool = False  # compiled rows: cold in a fresh Inductor cache, then warm in a second process
     device_memory_cap: str | None = None  # every method's process may allocate this much device memory (CUDA)
     sequence_chunks: int = 1  # streamed rows: each decoder layer in this many token chunks (prepare's option)
+    expert_lora: bool = False  # LoRA on every layer's experts too (PEFT's target_parameters; LoRA dropout 0)
 
 
 def cap_device_memory(device: torch.device, cap: str | None) -> int | None:
@@ -108,7 +109,7 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                 compiled_resident: bool = False, profile_dir: str | Path | None = None, command: str = "",
                 memory_budget: str | None = None, checkpoints: str | Path = DEFAULT_CHECKPOINTS,
                 unsloth_offload_layers: int | None = None, compile_warm: bool = False,
-                device_memory_cap: str | None = None, sequence_chunks: int = 1,
+                device_memory_cap: str | None = None, sequence_chunks: int = 1, expert_lora: bool = False,
                 known_methods: Mapping[str, Method] = METHODS) -> BenchConfig:
     """A checked ``BenchConfig`` from the command-line strings (shared by the CLI and ``main``)."""
     method_names = tuple(m.strip() for m in methods.split(",") if m.strip())
@@ -143,8 +144,11 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
             raise ValueError(str(e)) from None
     if sequence_chunks < 1:
         raise ValueError(f"--sequence-chunks must be >= 1, got {sequence_chunks}")
+    model_names = tuple(model_name(m) for m in models.split(",") if m.strip())
+    if expert_lora and not any(expert_paths_of_config(build_config(m)) for m in model_names):
+        raise ValueError(f"--expert-lora adapts a mixture of experts' experts; none of {', '.join(model_names)} has any")
     json_path = Path(json_path)
-    return BenchConfig(models=tuple(model_name(m) for m in models.split(",") if m.strip()), methods=method_names,
+    return BenchConfig(models=model_names, methods=method_names,
                        block_sizes=_ints(block_sizes, "block-sizes"), seqs=_ints(seqs, "seqs"),
                        accums=_ints(accums, "accums"), grid=grid, steps=steps, warmup=warmup,  # type: ignore[arg-type]
                        device=device, json_path=json_path, md_path=Path(md_path) if md_path else None,
@@ -152,7 +156,7 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                        compiled_resident=compiled_resident, profile_dir=Path(profile_dir) if profile_dir else None,
                        command=command, memory_budget=memory_budget, checkpoints=Path(checkpoints),
                        unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm,
-                       device_memory_cap=device_memory_cap, sequence_chunks=sequence_chunks)
+                       device_memory_cap=device_memory_cap, sequence_chunks=sequence_chunks, expert_lora=expert_lora)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,8 @@ HELP = {
     "compile_warm": "compiled rows: compile_s cold (a fresh Inductor cache) and warm (a second process, same cache)",
     "device_memory_cap": "cap the device memory of every row's process (e.g. 24GB: a 24 GB card on a larger one; "
                          "torch.cuda.set_per_process_memory_fraction); a row past it records its out-of-memory error",
+    "expert_lora": "LoRA on every layer's experts too (PEFT's target_parameters, by full path; LoRA dropout 0 for "
+                   "every target, which PEFT requires there); models without experts keep attention/MLP LoRA",
     "sequence_chunks": "streamed poros rows: each decoder layer in this many token chunks (the sequence_chunks "
                        "option; default 1)",
     "nproc": "several GPUs of this host instead: poros on 1 and on NPROC processes and FSDP2 with CPU offload on "

@@ -160,7 +160,8 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         error = (r.get("error") or "").replace("|", "/")
         ratio = _fmt(r["ratio_vs_peft_resident"], 2) + ("*" if r.get("ratio_cross_run") else "")
-        method = r["method"] + (f" (chunks {r['sequence_chunks']})" if r.get("sequence_chunks") else "")
+        method = (r["method"] + (f" (chunks {r['sequence_chunks']})" if r.get("sequence_chunks") else "")
+                  + (" (+ experts LoRA)" if r.get("expert_lora") else ""))
         lines.append(f"| {r['model']} | {method} | {r['block_size'] or '-'} | {r['seq']} | {r['accum']} | "
                      f"{_fmt(r['s_per_step'], 3)} | {_fmt(r['peak_gb'], 2)} | {_sigfmt(r['h2d_gbps'])} | "
                      f"{_fmt(r['floor_s'], 3)} | {_fmt(r.get('first_step_s'), 1)} | {_fmt(r['compile_s'], 1)} | "

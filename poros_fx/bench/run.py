@@ -30,7 +30,7 @@ from ..options import resolve_device
 from ..stats import stats
 from .h2d import copy_back_seconds, copy_seconds
 from .profiling import profile_step
-from ..models.tiny import lora_targets
+from ..models.tiny import expert_paths_of_config, lora_targets
 
 
 def measure_pinned_h2d(device: str | torch.device = "cuda", mib: int = 512, reps: int = 5,
@@ -76,7 +76,7 @@ def _free(device: torch.device) -> None:
 class ModelHolder:
     """The one model of a size shared by its rows, switched between the host store and the device."""
 
-    def __init__(self, name: str, device: torch.device, seed: int) -> None:
+    def __init__(self, name: str, device: torch.device, seed: int, expert_lora: bool = False) -> None:
         import peft
 
 
@@ -85,7 +85,10 @@ class ModelHolder:
         self.config = build_config(name)
         torch.manual_seed(seed)  # the LoRA A init
         # every linear of a decoder layer: the seven projections (Qwen3.5 also its Gated DeltaNet's five)
-        lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=lora_targets(self.config.model_type))
+        experts = expert_paths_of_config(self.config) if expert_lora else []
+        self.expert_lora = bool(experts)
+        lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0 if experts else 0.05,
+                               target_modules=lora_targets(self.config.model_type), target_parameters=experts or None)
         self.model = from_config(self.config, "nf4", device=device, seed=seed, lora=lora, block_size=1,
                                  progress=False)
         self.state: State = "prepared"
@@ -133,6 +136,8 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
 
     device = holder.device
     row = _empty_row(spec)
+    if holder.expert_lora:
+        row["expert_lora"] = True
     row["base_gb"] = round(base_bytes / 1e9, 3)
     row["streamed_gb"] = round(streamed_bytes / 1e9, 3)
     if pinned_gbps:
@@ -334,7 +339,7 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
             build_error = None
             try:
                 log(f"building {spec.model} (random-init NF4, from_config) on {device}")
-                holder = ModelHolder(spec.model, device, config.seed)
+                holder = ModelHolder(spec.model, device, config.seed, config.expert_lora)
                 build_s = round(time.perf_counter() - row_started, 1)
                 doc["env"]["runs"][-1].setdefault("build_s", {})[spec.model] = build_s
                 log(f"  built in {build_s} s")

@@ -404,6 +404,7 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
           compile_warm: bool = typer.Option(False, "--compile-warm", help=harness.HELP["compile_warm"]),
           device_memory_cap: Optional[str] = typer.Option(None, metavar="SIZE", help=harness.HELP["device_memory_cap"]),
           sequence_chunks: Optional[int] = typer.Option(None, min=1, metavar="K", help=harness.HELP["sequence_chunks"]),
+          expert_lora: bool = typer.Option(False, "--expert-lora", help=harness.HELP["expert_lora"]),
           nproc: Optional[int] = typer.Option(None, min=1, help=harness.HELP["nproc"]),
           rows: Optional[str] = typer.Option(None, metavar="METHOD:NPROC,...", help=harness.HELP["rows"]),
           layers: Optional[int] = typer.Option(None, min=1, help=harness.HELP["layers"]),
@@ -426,7 +427,8 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
     one_gpu_only = {"--md": md, "--plot": plot, "--time-budget": time_budget, "--profile": profile,
                     "--memory-budget": memory_budget, "--unsloth-offload-layers": unsloth_offload_layers,
                     "--compiled-resident": compiled_resident or None, "--compile-warm": compile_warm or None,
-                    "--device-memory-cap": device_memory_cap, "--sequence-chunks": sequence_chunks}
+                    "--device-memory-cap": device_memory_cap, "--sequence-chunks": sequence_chunks,
+                    "--expert-lora": expert_lora or None}
     try:
         if nproc is not None or worker == "multi-gpu":
             given = [flag for flag, value in one_gpu_only.items() if value is not None]
@@ -450,7 +452,7 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
                                          memory_budget=memory_budget, checkpoints=checkpoints,
                                          unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm,
                                          device_memory_cap=device_memory_cap, sequence_chunks=sequence_chunks or 1,
-                                         command=command)
+                                         expert_lora=expert_lora, command=command)
     except ValueError as e:
         raise fail(str(e))
     if worker == "multi-gpu":

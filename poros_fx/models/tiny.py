@@ -186,6 +186,22 @@ def base_model(config: transformers.PretrainedConfig, *, dtype: torch.dtype = to
     return model
 
 
+# where a family's experts module sits in a decoder layer
+EXPERTS_MODULE = types.MappingProxyType({"qwen3_moe": "mlp.experts", "mixtral": "mlp.experts", "gpt_oss": "mlp.experts",
+                                         "qwen3_5_moe_text": "mlp.experts", "gemma4_text": "experts"})
+
+
+def expert_paths_of_config(config: transformers.PretrainedConfig, names: Sequence[str] = EXPERT_PARAMETERS) -> list[str]:
+    """PEFT ``target_parameters`` naming the experts weights ``names`` of every decoder layer of a model built
+    from ``config`` by full path (``model.layers.{i}.mlp.experts.gate_up_proj``): PEFT matches NF4 experts only
+    so, float ones too. Empty for a model without experts."""
+    text = config.get_text_config()
+    module = EXPERTS_MODULE.get(text.model_type)
+    if module is None or (text.model_type == "gemma4_text" and not getattr(text, "enable_moe_block", False)):
+        return []
+    return [f"model.layers.{i}.{module}.{name.rpartition('.')[2]}" for i in range(text.num_hidden_layers) for name in names]
+
+
 def expert_parameter_paths(model: nn.Module, names: Sequence[str] = EXPERT_PARAMETERS) -> list[str]:
     """PEFT ``target_parameters`` for the experts weights ``names`` of every layer: the name's end for float
     experts, the full path of each layer's weight for NF4 (parametrized) experts, which PEFT matches only so."""
