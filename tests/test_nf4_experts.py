@@ -42,8 +42,20 @@ def test_each_expert_is_bitsandbytes_own_nf4_of_its_matrix():
             assert torch.equal(stored.original3[e], state.state2.absmax)
             assert torch.equal(stored.original4, state.state2.code)
             assert torch.equal(values[e], bnb_functional.dequantize_4bit(packed, state))
-    with pytest.raises(ValueError, match="whole 64-value blocks"):
-        NF4Experts(torch.bfloat16).right_inverse(torch.zeros(2, 3, 5))
+    # a matrix that is not whole 64-value blocks (bitsandbytes' last block is partial), on meta too
+    odd = torch.randn(2, 26, 21, dtype=torch.bfloat16)
+    tensors = NF4Experts(torch.bfloat16).right_inverse(odd)
+    meta = NF4Experts(torch.bfloat16).right_inverse(odd.to("meta"))
+    assert [t.shape for t in meta] == [t.shape for t in tensors]
+    parametrization = NF4Experts(torch.bfloat16)
+    parametrization.right_inverse(odd)
+    for e, matrix in enumerate(odd):
+        packed, state = bnb_functional.quantize_4bit(matrix.contiguous(), blocksize=64, compress_statistics=True,
+                                                     quant_type="nf4")
+        assert torch.equal(tensors[0][e], packed.reshape(-1)) and torch.equal(tensors[1][e], state.absmax)
+        assert torch.equal(parametrization(*tensors)[e], bnb_functional.dequantize_4bit(packed, state))
+    with pytest.raises(ValueError, match=r"need a \[experts, out, in\] parameter"):
+        NF4Experts(torch.bfloat16).right_inverse(torch.zeros(3, 5))
 
 
 # the three expert layouts: [E, 2I, H] (Mixtral's is Qwen3-MoE's), gpt-oss's transposed ones with biases, and

@@ -128,7 +128,8 @@ def shapes(draw: st.DrawFn) -> Shape:
     hidden = heads * head_dim
     # not a multiple of 8: an odd number past the hidden size
     intermediate = draw(st.integers(hidden // 2, 3 * hidden).map(lambda n: n | 1))
-    if family in EXPERT_COUNT:
+    gemma4_experts = family == "gemma4_text" and draw(st.booleans())
+    if family in EXPERT_COUNT or gemma4_experts:
         # transformers' grouped expert matmul (torch._grouped_mm) takes 16-byte strides only, in the eager
         # model too: expert widths and the hidden size a multiple of 8 (bf16)
         head_dim = draw(st.sampled_from([8, 16]))
@@ -163,8 +164,8 @@ def shapes(draw: st.DrawFn) -> Shape:
         # a KV-shared layer reads the keys and values of the last earlier layer of its kind
         config["num_kv_shared_layers"] = shared if set(types[layers - shared:]) <= set(types[:layers - shared]) else 0
         config["use_double_wide_mlp"] = draw(st.booleans())
-        if draw(st.booleans()):
-            config.update(enable_moe_block=True, num_experts=3, top_k_experts=2, moe_intermediate_size=head_dim + 3)
+        if gemma4_experts:
+            config.update(enable_moe_block=True, num_experts=3, top_k_experts=2, moe_intermediate_size=head_dim + 8)
     if family == "gemma3_text":
         config["tie_word_embeddings"] = draw(st.booleans())
     if draw(st.integers(0, 5)) == 0:  # refused with SDPA (attention.py), exact with eager attention

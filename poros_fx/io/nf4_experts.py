@@ -46,13 +46,14 @@ class NF4Experts(nn.Module):
     def right_inverse(self, weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
         import bitsandbytes.functional as bnb_functional
 
-        if weight.dim() != 3 or weight[0].numel() % NF4_BLOCKSIZE:
-            raise ValueError(f"NF4 experts need a [experts, out, in] parameter of whole {NF4_BLOCKSIZE}-value blocks "
-                             f"per expert, got {tuple(weight.shape)}")
+        if weight.dim() != 3:
+            raise ValueError(f"NF4 experts need a [experts, out, in] parameter, got {tuple(weight.shape)}")
         self.shape = tuple(weight.shape[1:])
         if weight.is_meta:  # the loader's skeleton: the sizes only (bitsandbytes would cache its code table on meta)
-            experts, blocks = weight.shape[0], weight[0].numel() // NF4_BLOCKSIZE
-            return (torch.empty(experts, weight[0].numel() // 2, dtype=torch.uint8, device="meta"),
+            # bitsandbytes' sizes: a last block may be partial, an odd count of values packs into a last byte
+            experts, numel = weight.shape[0], weight[0].numel()
+            blocks = -(-numel // NF4_BLOCKSIZE)
+            return (torch.empty(experts, (numel + 1) // 2, dtype=torch.uint8, device="meta"),
                     torch.empty(experts, blocks, dtype=torch.uint8, device="meta"),
                     torch.empty(experts, dtype=torch.float32, device="meta"),
                     torch.empty(experts, -(-blocks // NESTED_BLOCKSIZE), dtype=torch.float32, device="meta"),
