@@ -92,3 +92,23 @@ def test_the_loader_attaches_lora_to_every_layers_nf4_experts_by_full_path():
     torch.compile(model, backend="poros")(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for p in expert_adapters(model))
     assert expert_paths_of_config(tiny_config("qwen2")) == []
+
+
+def attached_after_prepare(mode: str) -> tuple:
+    torch._dynamo.reset()
+    base = base_model(tiny_config("qwen3_moe", layers=2), dtype=torch.bfloat16, nf4=True).requires_grad_(False)
+    paths = expert_parameter_paths(base)
+    poros_fx.prepare(base, device="cpu", codegen="eager")
+    model = add_lora(base, targets=list(lora_targets("qwen3_moe")), dropout=0.0, parameters=paths)
+    step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
+    return train(model, step_model, demo_batches(2, vocab=256, seq=16, batch=2, seed=3)), model
+
+
+def test_lora_on_nf4_experts_attached_after_prepare():
+    """PEFT reads each experts weight while it attaches (a dequantization of the prepared NF4 tensors, not a
+    forward) and places the adapter where the experts' first tensor is (the host): it is moved to the compute
+    device, and the run is equal to stream=False."""
+    streamed, model = attached_after_prepare("stream")
+    assert len(expert_adapters(model)) == 8
+    resident, _ = attached_after_prepare("resident")
+    assert compare(streamed, resident) == EQUAL, format_diffs("attached after prepare", compare(streamed, resident))

@@ -16,6 +16,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.nn.utils import parametrize
 
 from ..errors import PorosConfigError
 from ..units import gib
@@ -170,11 +171,17 @@ class HostStore:
 
 def _in_module_call() -> bool:
     """Whether an ``nn.Module`` call (a forward) is on the Python stack: a base tensor read there feeds the
-    forward's autograd graph; one read by setup code outside any forward does not."""
+    forward's autograd graph; one read by setup code outside any forward does not. A parametrized weight's
+    read (``torch.nn.utils.parametrize``: NF4 experts) calls its parametrization modules: those calls, and
+    the calls inside them, are the read, not a forward."""
     call = torch.nn.Module._call_impl.__code__
     frame = sys._getframe(1)
+    forwards = 0
     while frame is not None:
         if frame.f_code is call:
-            return True
+            if isinstance(frame.f_locals.get("self"), parametrize.ParametrizationList):
+                forwards = 0
+            else:
+                forwards += 1
         frame = frame.f_back
-    return False
+    return forwards > 0
