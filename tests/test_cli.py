@@ -45,6 +45,15 @@ def test_check_builtin_and_config_file(tmp_path, capsys):
     assert code == 0 and "llama (validated)" in out and "layers.0-1" in out and "layers.2" in out
 
 
+@pytest.mark.parametrize("shape,family,layers,per_layer", [
+    ("qwen3-30b-a3b", "qwen3_moe", 48, "306.9 MiB"), ("gpt-oss-120b", "gpt_oss", 36, "1.55 GiB")])
+def test_check_knows_the_mixture_of_experts_shapes(capsys, shape, family, layers, per_layer):
+    """The real shapes of models/configs/ with NF4 experts: each layer's block holds its experts' NF4 tensors."""
+    code, out = check(capsys, shape)
+    assert code == 0 and f"{family} (validated)" in out and f"layers.{layers - 1}" in out and f"{layers + 2} blocks" in out
+    assert re.search(rf"layers\.0 .*{re.escape(per_layer)}", out), out
+
+
 def test_check_prefetch_auto_fixed_and_refused(capsys):
     code, out = check(capsys, "qwen2.5-7b")
     assert code == 0 and "prefetch auto loads one block ahead" in out  # the default

@@ -160,7 +160,7 @@ def qwen25_config(size: str = "0.5b") -> transformers.PretrainedConfig:
 
 
 # real shapes written from the published sizes (models/configs/README.md says where each number comes from)
-SHAPE_CONFIGS = ("qwen3.5-27b", "gemma-4-31b", "qwen3-30b-a3b")
+SHAPE_CONFIGS = ("qwen3.5-27b", "gemma-4-31b", "qwen3-30b-a3b", "gpt-oss-120b")
 
 
 def shape_config(name: str) -> transformers.PretrainedConfig:
@@ -168,7 +168,8 @@ def shape_config(name: str) -> transformers.PretrainedConfig:
     if name not in SHAPE_CONFIGS:
         raise ValueError(f"unknown shape {name!r}; known: {', '.join(SHAPE_CONFIGS)}")
     config = transformers.AutoConfig.from_pretrained(Path(__file__).parent / "configs" / name)
-    config._attn_implementation = "sdpa"
+    # gpt-oss's attention sinks have no SDPA path in transformers
+    config._attn_implementation = "eager" if config.model_type == "gpt_oss" else "sdpa"
     return config
 
 
