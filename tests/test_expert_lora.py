@@ -14,7 +14,7 @@ import torch
 
 import poros_fx
 from poros_fx.errors import PorosConfigError
-from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train, train_as
 from poros_fx.models.tiny import (add_lora, base_model, demo_batches, expert_parameter_paths, expert_paths_of_config,
                                   lora_targets, tiny_config)
 
@@ -26,12 +26,7 @@ def run(mode: str, family: str, *, nf4: bool = False) -> tuple:
     base = base_model(tiny_config(family, layers=2), dtype=torch.bfloat16, nf4=nf4)
     # PEFT refuses LoRA dropout on a parameter
     model = add_lora(base, targets=list(lora_targets(family)), dropout=0.0, parameters=expert_parameter_paths(base))
-    step_model = model
-    if mode != "eager":
-        poros_fx.prepare(model, device="cpu", codegen="eager")
-        step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
-    batches = demo_batches(4, vocab=256, seq=16, batch=2, seed=3)
-    return train(model, step_model, batches, accumulate=2, block_major=mode == "stream"), model
+    return train_as(model, mode, demo_batches(4, vocab=256, seq=16, batch=2, seed=3), accumulate=2), model
 
 
 def expert_adapters(model) -> list[torch.Tensor]:

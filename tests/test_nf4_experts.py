@@ -13,8 +13,7 @@ import bitsandbytes.functional as bnb_functional
 import pytest
 import torch
 
-import poros_fx
-from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
+from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train_as
 from poros_fx.handles import get_store
 from poros_fx.io.nf4_experts import NF4Experts
 from poros_fx.models.tiny import add_lora, base_model, demo_batches, gemma4_options, lora_targets, tiny_config
@@ -68,12 +67,7 @@ def run(mode: str, family: str, config: dict) -> tuple:
     torch._dynamo.reset()
     model = add_lora(base_model(tiny_config(family, **{"layers": 2, **config}), dtype=torch.bfloat16, nf4=True),
                      targets=list(lora_targets(family)), dropout=0.1)
-    step_model = model
-    if mode != "eager":
-        poros_fx.prepare(model, device="cpu", codegen="eager")
-        step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
-    batches = demo_batches(4, vocab=256, seq=16, batch=2, seed=3)
-    return train(model, step_model, batches, accumulate=2, block_major=mode == "stream"), model
+    return train_as(model, mode, demo_batches(4, vocab=256, seq=16, batch=2, seed=3), accumulate=2), model
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

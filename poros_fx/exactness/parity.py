@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from ..prepare import prepare
 from ..runtime.accumulate import block_major as block_major_step
 
 
@@ -58,6 +59,17 @@ def train(model: nn.Module, step_model: Callable, batches: Sequence[dict], *, ac
                 trace.losses.append(loss.detach().clone())
         optimizer_step(trace, params, opt)
     return trace
+
+
+def train_as(model: nn.Module, mode: str, batches: Sequence[dict], *, accumulate: int = 1,
+             device: str | torch.device = "cpu", codegen: str = "eager") -> Trace:
+    """Train ``model`` as ``mode`` runs it: ``"eager"`` (the plain loop on the model itself), ``"stream"``
+    (prepared and compiled, block-major) or ``"resident"`` (prepared and compiled with ``stream=False``)."""
+    step_model: Callable = model
+    if mode != "eager":
+        prepare(model, device=device, codegen=codegen)
+        step_model = torch.compile(model, backend="poros", options={"stream": mode == "stream"})
+    return train(model, step_model, batches, accumulate=accumulate, block_major=mode == "stream")
 
 
 def optimizer_step(trace: Trace, params: Sequence[torch.Tensor], opt: torch.optim.Optimizer) -> None:

@@ -31,7 +31,6 @@ The view shares every parameter, buffer and submodule with the prepared layer, w
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Iterable
 
 import torch
@@ -41,6 +40,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from ...errors import PorosConfigError
+from .views import with_children
 
 
 def is_parameter_lora(module: nn.Module) -> bool:
@@ -139,15 +139,4 @@ def with_weights(module: nn.Module, weights: dict[str, torch.Tensor]) -> nn.Modu
 def with_parameter_lora(module: nn.Module) -> nn.Module:
     """``module``, or a shallow copy of it in which every ``ParamWrapper`` chain at any depth is a
     ``ParameterLoRA``; the copies share every parameter, buffer and submodule."""
-    children = {}
-    for name, child in module._modules.items():
-        if child is not None and is_parameter_lora(child):
-            child = ParameterLoRA(child)
-        elif child is not None:
-            child = with_parameter_lora(child)
-        children[name] = child
-    if all(children[name] is child for name, child in module._modules.items()):
-        return module
-    view = copy.copy(module)
-    view.__dict__["_modules"] = children
-    return view
+    return with_children(module, lambda name, child, depth: ParameterLoRA(child) if is_parameter_lora(child) else None)

@@ -35,7 +35,6 @@ chunk): ``sequence_chunks=1`` (the default) is the setting that stays equal to i
 
 from __future__ import annotations
 
-import copy
 import itertools
 import operator
 from typing import Any, Iterator
@@ -45,6 +44,8 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
+
+from .views import with_children
 
 CHUNK = "poros_sequence_chunk"  # meta["custom"] key on the nodes of one chunk of one module's call (its label)
 CHUNKS_ATTR = "_poros_sequence_chunks"  # on a prepared decoder layer: K (part of its region fingerprint)
@@ -95,18 +96,12 @@ def chunked_layer(layer: nn.Module) -> nn.Module:
 def _with_chunks(module: nn.Module, chunks: int, whole: str | None, wrapped: Iterator[int]) -> nn.Module:
     """``module``, or a shallow copy whose child ``whole`` and whose linear layers at any depth are
     ``TokenChunks`` (each numbered by ``wrapped``, so every chunk of the layer has a label of its own)."""
-    children = {}
-    for name, child in module._modules.items():
-        if child is not None and (name == whole or is_linear(child)):
-            child = TokenChunks(child, chunks, first_label=next(wrapped) * chunks)
-        elif child is not None:
-            child = _with_chunks(child, chunks, None, wrapped)
-        children[name] = child
-    if all(children[name] is child for name, child in module._modules.items()):
-        return module
-    view = copy.copy(module)
-    view.__dict__["_modules"] = children
-    return view
+    def replace(name: str, child: nn.Module, depth: int) -> nn.Module | None:
+        if (depth == 0 and name == whole) or is_linear(child):
+            return TokenChunks(child, chunks, first_label=next(wrapped) * chunks)
+        return None
+
+    return with_children(module, replace)
 
 
 def is_linear(module: nn.Module) -> bool:
