@@ -124,9 +124,9 @@ def eager_rows(head: nn.Linear) -> Rows:
 
 # -- the prepared causal LM's forward --------------------------------------------------------------
 
-LM_ATTRS = ("_poros_chunked_loss", "_poros_loss_chunks", "_poros_loss_rows", "_poros_lm_class", "_poros_lm_params",
-            "_poros_decoder", "_poros_no_training_cache", "_poros_lm_keywords", "_poros_parameter_lora")
 PARAMETER_LORA_ATTR = "_poros_parameter_lora"  # set by prepare: a decoder layer has LoRA on a parameter
+LM_ATTRS = ("_poros_chunked_loss", "_poros_loss_chunks", "_poros_loss_rows", "_poros_lm_class", "_poros_lm_params",
+            "_poros_decoder", "_poros_no_training_cache", "_poros_lm_keywords", PARAMETER_LORA_ATTR)
 # what a call may carry and still number each row's tokens 0..n-1 as one sequence (attention.ONE_SEQUENCE_PER_ROW)
 ONE_SEQUENCE_KEYS = frozenset({"input_ids", "inputs_embeds", "labels", "use_cache", "num_items_in_batch",
                                "logits_to_keep", "return_dict", "shift_labels"})

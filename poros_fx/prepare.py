@@ -28,7 +28,7 @@ from torch import nn
 from . import attention, loss
 from .adapter_hooks import follow
 from .compiler import ops
-from .compiler.regions import RegionTable, check_no_dora_on_nf4, check_parameter_lora, layer_forward, mode_modules
+from .compiler.regions import RegionTable, check_no_dora_on_nf4, check_no_parameter_lora, layer_forward, mode_modules
 from .compiler.regions import state as regions_state
 from .compiler.regions.parameter_lora import check_targets_adapted, is_parameter_lora, target_parameters
 from .compiler.regions.sequence_chunks import CHUNKS_ATTR, MLP_ATTR
@@ -135,7 +135,8 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
     targets = target_parameters(model)
     for index, layer in enumerate(layers):
         check_no_dora_on_nf4(layer)
-        check_parameter_lora(layer, regions)
+        if not regions:
+            check_no_parameter_lora(layer)
         check_targets_adapted(layer, targets, index)
     attention.check_no_dropout(config)
     _place_on_device(model, device)  # after every check above: a refused model is left where it was

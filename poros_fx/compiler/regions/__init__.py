@@ -14,7 +14,7 @@ The package, in the order its modules build on each other:
 
 from .call import SEP, flatten_call, rebuild_call
 from .compile import CODEGENS, compile_region, keep_output_strides
-from .key import MERGE_ERROR, check_no_dora_on_nf4, check_not_merged, check_parameter_lora, check_state, fingerprint, mode_entry, mode_modules, state, state_names
+from .key import MERGE_ERROR, check_no_dora_on_nf4, check_not_merged, check_no_parameter_lora, check_state, fingerprint, mode_entry, mode_modules, state, state_names
 from .ops import (REGION, REGION_BACKWARD, ROLE, call_region, called_region, compile_for, expanded_targets,
                   layer_forward, runners)
 from .shapes import Signature, TensorSpec, meta_of
@@ -23,6 +23,6 @@ from .trace import Packing, Region, SymbolicTraceError, block_view, trace_region
 
 __all__ = ["CODEGENS", "MERGE_ERROR", "REGION", "REGION_BACKWARD", "ROLE", "SEP", "Packing", "Region", "RegionTable",
            "Signature", "SymbolicTraceError", "TensorSpec", "block_view", "call_region", "called_region",
-           "check_no_dora_on_nf4", "check_not_merged", "check_parameter_lora", "check_state", "compile_for", "compile_region", "expanded_targets", "fingerprint",
+           "check_no_dora_on_nf4", "check_not_merged", "check_no_parameter_lora", "check_state", "compile_for", "compile_region", "expanded_targets", "fingerprint",
            "flatten_call", "keep_output_strides", "layer_forward", "meta_of", "mode_entry", "mode_modules", "rebuild_call",
            "runners", "state", "state_names", "table_of", "trace_region"]

@@ -160,12 +160,12 @@ def check_no_dora_on_nf4(layer: nn.Module) -> None:
             raise PorosConfigError(DORA_NF4_ERROR)
 
 
-def check_parameter_lora(layer: nn.Module, regions: bool) -> None:
-    """PEFT's LoRA on a parameter (``target_parameters``: a mixture of experts' fused 3-D weights) runs in a
-    region (``parameter_lora.py``); without regions Dynamo would trace the parametrization PEFT registers
-    inside each forward: refuse it there."""
+def check_no_parameter_lora(layer: nn.Module) -> None:
+    """For a model prepared without regions: PEFT's LoRA on a parameter (``target_parameters``: a mixture of
+    experts' fused 3-D weights) runs in a region only (``parameter_lora.py``); Dynamo would trace the
+    parametrization PEFT registers inside each forward: refuse it."""
     for module in layer.modules():
-        if not regions and is_parameter_lora(module):
+        if is_parameter_lora(module):
             raise PorosConfigError(PARAMETER_LORA_ERROR.format(name=module.parameter_name))
 
 
