@@ -245,3 +245,20 @@ def test_sequence_chunk_rows_trace_chunked_layers_and_give_the_model_back_whole(
     assert "sequence_chunks" not in rows[("peft_resident", None, 32, 1)]
     assert seen == [("streamed", 2), ("resident", None)]
     assert "| tiny | poros (chunks 2) | 1 | 32 | 1 |" in bench.markdown(doc)
+
+
+def test_a_bf16_row_runs_on_a_bf16_build_after_the_nf4_models_rows(tmp_path):
+    """peft_resident_bf16 (a mixture of experts' bf16 experts, say): its rows come after every NF4 row of the
+    model and run on a model built with a bf16 base; each row says its base."""
+    config = bench.make_config(models="0.5b", methods="peft_resident_bf16,poros,peft_resident", seqs="512,2048",
+                               accums="1", block_sizes="1")
+    specs, _ = bench.plan(config)
+    assert [s.method for s in specs][-2:] == ["peft_resident_bf16"] * 2
+    assert "peft_resident_bf16" not in [s.method for s in specs][:-2]
+    doc = _run(tmp_path, methods="peft_resident,peft_resident_bf16")
+    rows = _rows(doc)
+    assert rows[("peft_resident", None, 32, 1)]["quantization"] == "nf4"
+    assert rows[("peft_resident_bf16", None, 32, 1)]["quantization"] == "bf16"
+    assert rows[("peft_resident_bf16", None, 32, 1)]["error"] is None
+    assert [line for line in doc["log"] if line.startswith("building")] == [
+        "building tiny (random-init nf4, from_config) on cpu", "building tiny (random-init bf16, from_config) on cpu"]

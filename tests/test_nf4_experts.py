@@ -57,6 +57,31 @@ def test_each_expert_is_bitsandbytes_own_nf4_of_its_matrix():
         NF4Experts(torch.bfloat16).right_inverse(torch.zeros(3, 5))
 
 
+@pytest.mark.parametrize("shape, max_elements", [
+    ((3, 128, 128), None),  # whole nested blocks per expert: one bitsandbytes call for all the experts
+    ((5, 128, 128), 2 * 128 * 128),  # past the 32-bit element index: calls of two experts at most
+    ((3, 64, 64), None),  # 64 blocks per expert, a nested block would straddle two: one call each
+])
+def test_experts_dequantize_as_bitsandbytes_does_each_matrix(shape, max_elements, monkeypatch):
+    """However the experts are grouped into bitsandbytes calls, each expert's values are bitsandbytes'
+    ``dequantize_4bit`` of that expert's own quantized matrix."""
+    from poros_fx.io import nf4_experts
+
+    if max_elements is not None:
+        monkeypatch.setattr(nf4_experts, "MAX_KERNEL_ELEMENTS", max_elements)
+    weights = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    parametrization = NF4Experts(torch.bfloat16)
+    tensors = parametrization.right_inverse(weights)
+    calls = parametrization._groups(shape[0], tensors[1].shape[1])
+    assert len(calls) == {None: 1 if shape[1] * shape[2] % (64 * 256) == 0 else shape[0]}.get(max_elements, 3)
+    values = parametrization(*tensors)
+    assert values.shape == weights.shape and values.dtype == torch.bfloat16
+    for e, matrix in enumerate(weights):
+        packed, state = bnb_functional.quantize_4bit(matrix.contiguous(), blocksize=64, compress_statistics=True,
+                                                     quant_type="nf4")
+        assert torch.equal(values[e], bnb_functional.dequantize_4bit(packed, state))
+
+
 # the three expert layouts: [E, 2I, H] (Mixtral's is Qwen3-MoE's), gpt-oss's transposed ones with biases, and
 # Gemma 4's experts beside a dense MLP; the generator (test_drawn_configs.py) draws NF4 bases of every
 # mixture-of-experts family, Qwen3.5-MoE and Mixtral too

@@ -46,6 +46,7 @@ class BenchConfig:
     time_budget: float | None = None  # seconds; no new row starts after it
     compiled_resident: bool = False  # add compiled_resident (0.5B/7B/tiny only)
     profile_dir: Path | None = None  # one more step per row under torch.profiler: trace here, summary in the row
+    memory_profile_dir: Path | None = None  # one more step per row under the allocator's history: snapshot here
     batch: int = 1
     seed: int = 0
     command: str = ""  # the command line, for the markdown
@@ -106,7 +107,8 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                 grid: str = "star", steps: int = 10, warmup: int = 1, device: str = "cuda",
                 json_path: str | Path = "poros-bench.json", md_path: str | Path | None = None,
                 plot_path: str | Path | None = None, time_budget: float | None = None,
-                compiled_resident: bool = False, profile_dir: str | Path | None = None, command: str = "",
+                compiled_resident: bool = False, profile_dir: str | Path | None = None,
+                memory_profile_dir: str | Path | None = None, command: str = "",
                 memory_budget: str | None = None, checkpoints: str | Path = DEFAULT_CHECKPOINTS,
                 unsloth_offload_layers: int | None = None, compile_warm: bool = False,
                 device_memory_cap: str | None = None, sequence_chunks: int = 1, expert_lora: bool = False,
@@ -154,7 +156,7 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                        device=device, json_path=json_path, md_path=Path(md_path) if md_path else None,
                        plot_path=Path(plot_path) if plot_path else None, time_budget=time_budget,
                        compiled_resident=compiled_resident, profile_dir=Path(profile_dir) if profile_dir else None,
-                       command=command, memory_budget=memory_budget, checkpoints=Path(checkpoints),
+                       memory_profile_dir=Path(memory_profile_dir) if memory_profile_dir else None, command=command, memory_budget=memory_budget, checkpoints=Path(checkpoints),
                        unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm,
                        device_memory_cap=device_memory_cap, sequence_chunks=sequence_chunks, expert_lora=expert_lora)
 
@@ -265,11 +267,13 @@ def plan(config: BenchConfig, methods: Mapping[str, Method] = METHODS) -> tuple[
                 notes.append(f"{name} skipped for {model} (only {', '.join(m.models)})")
                 continue
             chosen.append(m)
-        for i, (seq, accum) in enumerate(shapes(config)):
-            order: tuple[State, State] = ("prepared", "resident") if i % 2 == 0 else ("resident", "prepared")
-            for state in order:
-                for m in (m for m in chosen if m.state == state):
-                    for bs in (config.block_sizes if m.per_block_size else (None,)):
-                        rows.append(RowSpec(model, m.name, bs, seq, accum))
+        # a base of another quantization is a model of its own: its rows come after the NF4 model's
+        for quantization in sorted({m.quantization for m in chosen}, key=lambda q: q != "nf4"):
+            for i, (seq, accum) in enumerate(shapes(config)):
+                order: tuple[State, State] = ("prepared", "resident") if i % 2 == 0 else ("resident", "prepared")
+                for state in order:
+                    for m in (m for m in chosen if m.state == state and m.quantization == quantization):
+                        for bs in (config.block_sizes if m.per_block_size else (None,)):
+                            rows.append(RowSpec(model, m.name, bs, seq, accum))
     return rows, notes
 

@@ -47,6 +47,7 @@ class Method:
     models: tuple[str, ...] | None = None  # only these models (None: all)
     budget: bool = False  # setup also takes memory_budget= (the run's --memory-budget)
     own_process: bool = False  # measured in a process of its own on a checkpoint (unsloth.py), not on the model
+    quantization: str = "nf4"  # the shared model's base: bf16 rows get a bf16 build of the same weights' shapes
     warmup: int = 1  # untimed steps at least (CUDA graphs: the first step warms up, the second records; under a
     # budget the first measures and the second records, and the third finds the load slots taken in the steady
     # order, which the fourth records again: runtime/cuda_graphs.py)
@@ -189,6 +190,8 @@ def _poros_resident(model: nn.Module, block_size: int | None) -> Runner:
 
 METHODS: Mapping[str, Method] = types.MappingProxyType({
     "peft_resident": Method("peft_resident", "resident", _peft_resident),
+    # the same model with a bf16 base on the device (a mixture of experts' bf16 experts): a model of its own
+    "peft_resident_bf16": Method("peft_resident_bf16", "resident", _peft_resident, quantization="bf16"),
     "peft_checkpointing": Method("peft_checkpointing", "resident", _peft_checkpointing),
     "compiled_resident": Method("compiled_resident", "resident", _compiled_resident, compiled=True,
                                 models=COMPILED_RESIDENT_MODELS),

@@ -25,6 +25,8 @@ HELP = {
     "plot": "PNG plot (default: JSON path with .png)",
     "time_budget": "seconds; no new row starts after them",
     "profile": "profile one extra step per row: Chrome trace into DIR, summary into the row's 'profile'",
+    "memory_profile": "one extra step per row under the CUDA allocator's history: snapshot (memory_viz pickle) into "
+                      "DIR, the allocations alive at the step's peak into the row's 'memory_profile'",
     "memory_budget": "poros_budget, poros_budget_saved and their _graphs rows: their memory_budget (e.g. 24GB)",
     "compiled_resident": "add compiled_resident (plain torch.compile/Inductor; 0.5B and 7B only)",
     "checkpoints": "unsloth_*: the random-init checkpoint of each model is written (once) under DIR",

@@ -29,6 +29,7 @@ from ..prepare import prepare, set_trace_options, unprepare
 from ..options import resolve_device
 from ..stats import stats
 from .h2d import copy_back_seconds, copy_seconds
+from .memory_profile import memory_step
 from .profiling import profile_step
 from ..models.tiny import expert_paths_of_config, lora_targets
 
@@ -76,11 +77,13 @@ def _free(device: torch.device) -> None:
 class ModelHolder:
     """The one model of a size shared by its rows, switched between the host store and the device."""
 
-    def __init__(self, name: str, device: torch.device, seed: int, expert_lora: bool = False) -> None:
+    def __init__(self, name: str, device: torch.device, seed: int, expert_lora: bool = False,
+                 quantization: str = "nf4") -> None:
         import peft
 
 
         self.name = name
+        self.quantization = quantization
         self.device = device
         self.config = build_config(name)
         torch.manual_seed(seed)  # the LoRA A init
@@ -89,7 +92,7 @@ class ModelHolder:
         self.expert_lora = bool(experts)
         lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0 if experts else 0.05,
                                target_modules=lora_targets(self.config.model_type), target_parameters=experts or None)
-        self.model = from_config(self.config, "nf4", device=device, seed=seed, lora=lora, block_size=1,
+        self.model = from_config(self.config, quantization, device=device, seed=seed, lora=lora, block_size=1,
                                  progress=False)
         self.state: State = "prepared"
 
@@ -138,6 +141,7 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
     row = _empty_row(spec)
     if holder.expert_lora:
         row["expert_lora"] = True
+    row["quantization"] = holder.quantization
     row["base_gb"] = round(base_bytes / 1e9, 3)
     row["streamed_gb"] = round(streamed_bytes / 1e9, 3)
     if pinned_gbps:
@@ -238,10 +242,11 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
                 row["load_slots_gb"] = round(graphs["load_slots"]["bytes"] / 1e9, 3)  # inside max_memory_allocated
                 timed_peak += graphs["pool_bytes"]
             row["peak_gb"] = round(max(warm_peak, timed_peak) / 1e9, 3)
+        slug = _label(spec).replace(" ", "-").replace(".", "")
         if config.profile_dir is not None:  # after the peak is read: the profiler allocates too
-
-            slug = _label(spec).replace(" ", "-").replace(".", "")
             row["profile"] = profile_step(step, Path(config.profile_dir) / f"{slug}.trace.json.gz")
+        if config.memory_profile_dir is not None and device.type == "cuda":
+            row["memory_profile"] = memory_step(step, Path(config.memory_profile_dir) / f"{slug}.memory.pickle", device)
     finally:
         if runner is not None:
             runner.teardown()
@@ -333,13 +338,13 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
             upsert(doc, row)
             save(doc, config)
             continue
-        if holder is None or holder.name != spec.model:
+        if holder is None or (holder.name, holder.quantization) != (spec.model, method.quantization):
             holder = None
             _free(device)
             build_error = None
             try:
-                log(f"building {spec.model} (random-init NF4, from_config) on {device}")
-                holder = ModelHolder(spec.model, device, config.seed, config.expert_lora)
+                log(f"building {spec.model} (random-init {method.quantization}, from_config) on {device}")
+                holder = ModelHolder(spec.model, device, config.seed, config.expert_lora, method.quantization)
                 build_s = round(time.perf_counter() - row_started, 1)
                 doc["env"]["runs"][-1].setdefault("build_s", {})[spec.model] = build_s
                 log(f"  built in {build_s} s")
@@ -355,7 +360,8 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
             try:
                 with cold_cache(cache_root) if warm else contextlib.nullcontext() as cache:
                     row = run_row(holder, method, spec, config, env["pinned_h2d_gbps"],
-                                  estimate_host_bytes(holder.config, "nf4"), sum(block_bytes(holder.config, "nf4")[1]))
+                                  estimate_host_bytes(holder.config, holder.quantization),
+                                  sum(block_bytes(holder.config, holder.quantization)[1]))
             except Exception as e:  # noqa: BLE001 - OOM or any failure: record it and go on
                 row["error"] = _error(e)
             # freed here, after the except block: until then the traceback keeps the failed step's tensors

@@ -396,6 +396,7 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
           time_budget: Optional[float] = typer.Option(None, help=harness.HELP["time_budget"]),
           compiled_resident: bool = typer.Option(False, "--compiled-resident", help=harness.HELP["compiled_resident"]),
           profile: Optional[Path] = typer.Option(None, metavar="DIR", help=harness.HELP["profile"]),
+          memory_profile: Optional[Path] = typer.Option(None, metavar="DIR", help=harness.HELP["memory_profile"]),
           memory_budget: Optional[str] = typer.Option(None, help=harness.HELP["memory_budget"]),
           checkpoints: Path = typer.Option(Path(harness.DEFAULT_CHECKPOINTS), metavar="DIR",
                                            help=harness.HELP["checkpoints"]),
@@ -425,6 +426,7 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
     multi_only = {"--rows": rows, "--layers": layers, "--quantization": quantization, "--batch": batch,
                   "--row-timeout": row_timeout}
     one_gpu_only = {"--md": md, "--plot": plot, "--time-budget": time_budget, "--profile": profile,
+                    "--memory-profile": memory_profile,
                     "--memory-budget": memory_budget, "--unsloth-offload-layers": unsloth_offload_layers,
                     "--compiled-resident": compiled_resident or None, "--compile-warm": compile_warm or None,
                     "--device-memory-cap": device_memory_cap, "--sequence-chunks": sequence_chunks,
@@ -449,6 +451,7 @@ def bench(models: str = typer.Option(harness.DEFAULT_MODELS, help=harness.HELP["
                                          warmup=warmup or 1, device=device, json_path=json_path,
                                          md_path=md, plot_path=plot, time_budget=time_budget,
                                          compiled_resident=compiled_resident, profile_dir=profile,
+                                         memory_profile_dir=memory_profile,
                                          memory_budget=memory_budget, checkpoints=checkpoints,
                                          unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm,
                                          device_memory_cap=device_memory_cap, sequence_chunks=sequence_chunks or 1,

@@ -13,6 +13,7 @@ transformers' own, on those values::
     ->  experts.parametrizations.gate_up_proj.original0   [E, N*K/2] uint8   (expert e: quantize_4bit(W[e]))
         ... .original1 absmax [E, N*K/64] uint8, .original2 offset [E], .original3 absmax2, .original4 code2
         experts.gate_up_proj  ==  stack(dequantize_4bit(packed[e], state[e]) for e)
+                              ==  dequantize_4bit(packed, state) in one call where no block straddles two experts
 
 Under ``prepare`` these tensors are frozen base like any other (streamed with their layer, loaded in
 the region, where the dequantization runs). Exact against what: streamed == ``stream=False`` == the
@@ -22,6 +23,7 @@ like any QLoRA base.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -29,6 +31,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .quantize import NESTED_BLOCKSIZE, NF4_BLOCKSIZE
+
+# bitsandbytes' blockwise kernels index elements with a 32-bit int
+MAX_KERNEL_ELEMENTS = 2**31 - 1
 
 
 class NF4Experts(nn.Module):
@@ -72,14 +77,31 @@ class NF4Experts(nn.Module):
 
     def forward(self, packed: torch.Tensor, absmax: torch.Tensor, offset: torch.Tensor, absmax2: torch.Tensor,
                 code2: torch.Tensor) -> torch.Tensor:
+        parts = [self._dequantize(packed[a:b], absmax[a:b], offset[a:b], absmax2[a:b], code2)
+                 for a, b in self._groups(packed.shape[0], absmax.shape[1])]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _groups(self, experts: int, blocks: int) -> list[tuple[int, int]]:
+        """Ranges of experts dequantized by one bitsandbytes call each: all of them in one, unless a block of
+        values or of nested scales would straddle two experts (then one each), or the call would pass
+        bitsandbytes' 32-bit element index."""
+        numel = math.prod(self.shape)
+        if numel % NF4_BLOCKSIZE or blocks % NESTED_BLOCKSIZE:
+            return [(e, e + 1) for e in range(experts)]
+        per_call = max(1, MAX_KERNEL_ELEMENTS // numel)
+        return [(a, min(a + per_call, experts)) for a in range(0, experts, per_call)]
+
+    def _dequantize(self, packed: torch.Tensor, absmax: torch.Tensor, offset: torch.Tensor, absmax2: torch.Tensor,
+                    code2: torch.Tensor) -> torch.Tensor:
+        """bitsandbytes' ``dequantize_4bit`` of a nested state, for a run of experts whose blocks do not
+        straddle two of them: each element is what it is for its expert alone (the absmax first, in fp32,
+        plus that expert's offset)."""
         ops = torch.ops.bitsandbytes
-        experts = []
-        for e in range(packed.shape[0]):
-            # bitsandbytes' dequantize_4bit of a nested state: the absmax first, in fp32, plus its offset
-            scales = ops.dequantize_blockwise(absmax[e], absmax2[e], code2, NESTED_BLOCKSIZE, torch.float32) + offset[e]
-            experts.append(ops.dequantize_4bit(packed[e].view(-1, 1), scales, NF4_BLOCKSIZE, "nf4", list(self.shape),
-                                               self.dtype))
-        return torch.stack(experts)
+        experts, blocks = absmax.shape
+        scales = ops.dequantize_blockwise(absmax.reshape(-1), absmax2.reshape(-1), code2, NESTED_BLOCKSIZE,
+                                          torch.float32).view(experts, blocks) + offset[:, None]
+        return ops.dequantize_4bit(packed.reshape(-1, 1), scales.reshape(-1), NF4_BLOCKSIZE, "nf4",
+                                   [experts, *self.shape], self.dtype)
 
 
 def is_experts_module(module: nn.Module) -> bool:
