@@ -32,11 +32,11 @@ from torch import nn
 
 from .distributed import ignore_host_store, no_ddp_optimizer
 from .errors import PorosConfigError
-from .handles import CHECKPOINTING_MESSAGE, ENTRY_ATTR, get_store
+from .handles import CHECKPOINTING_MESSAGE, ENTRY_ATTR, causal_lm, get_store
 from .options import TRAINER_DEFAULTS, given_options, prepare_options
 from .prepare import prepare, set_trace_options
 from .runtime import accumulate as accumulation
-from .runtime.lengths import mark_dynamic
+from .runtime.lengths import mark_dynamic, without_flash_lengths
 
 
 class PorosTrainer(transformers.Trainer):
@@ -112,7 +112,9 @@ class PorosTrainer(transformers.Trainer):
                      num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         # the Trainer's own loss code, with the forward it calls compiled by poros
         with no_ddp_optimizer():  # sizes dynamic from the first batch: dynamic padding compiles once
-            return super().compute_loss(self.poros_model(model), mark_dynamic(inputs), return_outputs=return_outputs,
+            lm = causal_lm(getattr(model, "module", model))  # a DDP wrapper's module
+            batch = mark_dynamic(without_flash_lengths(inputs, getattr(lm, "config", None)))
+            return super().compute_loss(self.poros_model(model), batch, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: torch.device) -> tuple[list, Any]:

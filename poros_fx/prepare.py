@@ -30,6 +30,7 @@ from .adapter_hooks import follow
 from .compiler import ops
 from .compiler.regions import RegionTable, check_no_dora_on_nf4, check_no_parameter_lora, layer_forward, mode_modules
 from .compiler.regions import state as regions_state
+from .compiler.regions.recorded import check_no_router_logits_with_chunks, install_recorders
 from .compiler.regions.parameter_lora import check_targets_adapted, is_parameter_lora, target_parameters
 from .compiler.regions.sequence_chunks import CHUNKS_ATTR, MLP_ATTR
 from .errors import NoBlocksError, PorosConfigError
@@ -139,6 +140,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
             check_no_parameter_lora(layer)
         check_targets_adapted(layer, targets, index)
     attention.check_no_dropout(config)
+    install_recorders(lm)  # a mixture of experts' router logits: hooks in place before Dynamo traces a call
     _place_on_device(model, device)  # after every check above: a refused model is left where it was
 
     names = block_names(len(layers), block_size)
@@ -215,6 +217,7 @@ def prepare(model: nn.Module, device: str | torch.device | None = None, *, famil
         module._poros_frozen = tuple(frozen)
         store.undo.append(lambda module=module, original=original: restore_class(module, original))
     if regions:
+        check_no_router_logits_with_chunks(config, sequence_chunks)
         _make_regions(store, layers, lm)
     elif sequence_chunks > 1:
         raise PorosConfigError(f"sequence_chunks={sequence_chunks} runs each decoder layer's MLP and projections in "
@@ -463,6 +466,7 @@ def set_trace_options(model: nn.Module, options: dict) -> None:
         if store.regions is None and chunks > 1:
             raise PorosConfigError(f"sequence_chunks={chunks} runs each decoder layer's MLP and projections in token "
                                    "chunks inside its region; this model was prepared with regions=False")
+        check_no_router_logits_with_chunks(causal_lm(unwrap(model)).config, chunks)
         store.sequence_chunks = chunks
         for layer in causal_lm(unwrap(model)).get_submodule(store.family.layers):
             set_layer_chunks(layer, store.family.mlp, chunks)

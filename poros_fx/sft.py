@@ -48,7 +48,7 @@ from .distributed import no_ddp_optimizer
 from .errors import PorosConfigError
 from .hf import PorosTrainer, checkpointing_off, checkpointing_on
 from .handles import get_store
-from .runtime.lengths import mark_dynamic
+from .runtime.lengths import mark_dynamic, without_flash_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ class PorosSFTTrainer(PorosTrainer, trl.SFTTrainer):
                      num_items_in_batch: torch.Tensor | int | None = None) -> Any:
         # TRL's loss code, with a model whose fused-head forward streams the backbone (module docstring)
         # sizes dynamic from the first batch: packing or per-batch padding compiles once (runtime/lengths.py)
-        return trl.SFTTrainer.compute_loss(self, _StreamedSFTModel(self, model), mark_dynamic(inputs),
+        batch = mark_dynamic(without_flash_lengths(inputs, getattr(causal_lm_of(model), "config", None)))
+        return trl.SFTTrainer.compute_loss(self, _StreamedSFTModel(self, model), batch,
                                            return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
 
     def poros_backbone(self, model: nn.Module) -> nn.Module:

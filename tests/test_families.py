@@ -69,16 +69,6 @@ def test_family_streamed_equals_resident_and_eager(family):
     assert diffs == ZERO, format_diffs(f"{family} streamed vs eager", diffs)
 
 
-def test_router_logits_are_refused_before_the_first_step():
-    """transformers records a mixture of experts' router logits with hooks a compiled region does not run: a
-    config that asks for them (TRL's SFTTrainer sets it for the auxiliary loss) is refused at compile."""
-    model = tiny_lora_model("mixtral", layers=1)
-    model.config.output_router_logits = True
-    poros_fx.prepare(model, device="cpu")
-    with pytest.raises(Exception, match="output_router_logits=True in the model's config .* not supported yet"):
-        torch.compile(model, backend="poros")(**demo_batches(1, seq=8)[0])
-
-
 def test_gemma3_tiny_config_exercises_its_features():
     """The parity case above covers what sets Gemma 3 apart: both attention kinds with a window shorter
     than the sequence, a scaled embedding tied to lm_head, the pre/post feed-forward norms."""
@@ -241,3 +231,19 @@ def test_gemma3_user_loop_without_use_cache_runs_layers_as_regions_and_is_exact(
     eager = run("eager")
     assert all(torch.equal(a, b) for a, b in zip(streamed[0], eager[0]))
     assert all(torch.equal(a, b) for a, b in zip(streamed[1], eager[1]))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe_text"])
+def test_a_mixture_of_experts_compiles_one_step_for_every_length(family):
+    """A mixture of experts' layer makes a tensor from a size (the grouped expert matmul's ``arange`` over
+    token-expert pairs). Its region's trace runs the traced graph once; outside the region's fake mode that
+    factory op ran for real and fixed the size to the first call's, and every new length compiled the whole
+    step again (a few lengths later, Dynamo's recompile limit left the step uncompiled). One graph now."""
+    torch._dynamo.reset()
+    model = poros_fx.prepare(tiny_lora_model(family, layers=2, dropout=0.0), device="cpu")
+    step = torch.compile(model, backend="poros")
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for length in (9, 12, 15, 20):
+        ids = torch.randint(0, 200, (1, length), generator=torch.Generator().manual_seed(length))
+        step(**poros_fx.mark_dynamic({"input_ids": ids, "labels": ids})).loss.backward()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - before == 1

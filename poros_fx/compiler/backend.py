@@ -133,23 +133,6 @@ def _check_chunked_loss(opts: PorosOptions, store: HostStore) -> None:
                                "chunked_loss=...) (@poros_fx.step, PorosTrainer and poros-fx train do this for you)")
 
 
-ROUTER_LOGITS_ERROR = (
-    "output_router_logits=True in the model's config (a mixture of experts' router logits and its auxiliary "
-    "load-balancing loss; TRL's SFTTrainer turns it on through SFTConfig.router_aux_loss_coef) is not supported yet: "
-    "transformers records the router logits with hooks on the router modules, which a decoder layer's compiled region "
-    "does not run, so the auxiliary loss would be computed from none. Set model.config.output_router_logits = False "
-    "(PorosSFTTrainer: SFTConfig(router_aux_loss_coef=0.0))")
-
-
-def _check_router_logits(store: HostStore) -> None:
-    """A model whose config asks for its router logits is refused before the first step (``ROUTER_LOGITS_ERROR``)."""
-    lm = store.lm_ref() if store.lm_ref is not None else None
-    config = getattr(lm, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "output_router_logits", False):
-        raise PorosConfigError(ROUTER_LOGITS_ERROR)
-
-
 def _source_line(stack_trace: str) -> str | None:
     """``file.py:123 (function): code`` of the innermost frame of a node's stack trace."""
     lines = stack_trace.strip().splitlines()
@@ -279,7 +262,6 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
     if store is not None:
         _check_chunked_loss(opts, store)
         _check_sequence_chunks(opts, store)
-        _check_router_logits(store)
         _check_fits_device(store, gm, example_inputs, schedule)
         if device.type == "cuda" and opts.cuda_graphs is None and not opts.least_memory and not graphs:
             warnings.warn(f"poros: CUDA graphs {graphs_note}", stacklevel=2)  # the default fell back

@@ -418,8 +418,8 @@ def train_sft(config: TrainingConfig, mode: str, device: torch.device, trace: Tr
     d = config.data
     records = chat_records(config.steps * config.accumulate * d.batch + 2)
     extra = {"assistant_only_loss": d.ignored, "packing": d.padding == "left", "max_length": 24 + 4 * len(d.lengths)}
-    if config.shape.family in EXPERT_COUNT:  # the router's auxiliary loss is refused (compiler/backend.py)
-        extra["router_aux_loss_coef"] = 0.0
+    if config.shape.family in EXPERT_COUNT:  # TRL's default (None) adds the architecture's own auxiliary loss
+        extra["router_aux_loss_coef"] = dict(config.shape.config).get("router_aux_loss_coef")
     model = build(config)
     cls = trl.SFTTrainer if mode == "eager" else PorosSFTTrainer
     kwargs = {} if mode == "eager" else {"poros_options": {**poros_options(config, mode, base_bytes(config)),

@@ -142,6 +142,8 @@ def shapes(draw: st.DrawFn) -> Shape:
         experts = draw(st.integers(2, 5))
         config[EXPERT_COUNT[family]] = experts
         config["num_experts_per_tok"] = draw(st.integers(1, min(3, experts)))
+        if draw(st.booleans()):  # the router logits recorded, and the auxiliary load-balancing loss added
+            config.update(output_router_logits=True, router_aux_loss_coef=draw(st.sampled_from([0.001, 0.5])))
     if family == "gpt_oss":
         config["layer_types"] = tuple(draw(st.lists(st.sampled_from(["sliding_attention", "full_attention"]),
                                                     min_size=layers, max_size=layers)))

@@ -37,3 +37,19 @@ def mark_dynamic(batch: B) -> B:
         for value in batch:
             mark_dynamic(value)
     return batch
+
+
+# the longest packed sequence's length, as TRL's padding-free collator adds it: read by flash attention's
+# variable-length kernels only
+FLASH_LENGTHS = ("max_length_q", "max_length_k")
+
+
+def without_flash_lengths(batch: Mapping, config: object) -> Mapping:
+    """``batch`` without ``FLASH_LENGTHS`` unless the model (``config``) runs flash attention; else ``batch``
+    itself. They are Python ints: Dynamo compiles the step again for each new value, and after a few makes
+    them symbolic, which a region's call cannot take (the layer would leave the region). The attention
+    poros runs reads the sequence boundaries from the position ids."""
+    implementation = getattr(config, "_attn_implementation", None) or ""
+    if implementation.startswith("flash") or not any(k in batch for k in FLASH_LENGTHS):
+        return batch
+    return {k: v for k, v in batch.items() if k not in FLASH_LENGTHS}

@@ -35,6 +35,7 @@ from ..ops import LOAD
 from .call import SEP, flatten_call, state_mapping
 from .compile import compile_region
 from .key import autocast_entry, check_not_merged, mode_entry
+from .recorded import RECORDED, append_recorded, record_entry
 from .table import quiet_compile_events, table_of
 from .trace import Region
 from ...runtime.draws import graph_draws
@@ -181,7 +182,8 @@ def call_region(layer: nn.Module, activations: list[torch.Tensor], call: str, ca
     layer's mode and the caller's autocast join the call string, so Dynamo guards them
     (``key.mode_entry``, ``key.autocast_entry``). What the layer writes into ``carried`` (the state it
     passes to later layers, ``call.py``) are the region's further outputs, put back into it here
-    (``_poros_writes``: the table set it when it found the region)."""
+    (``_poros_writes``: the table set it when it found the region), and after them what transformers'
+    hooks recorded inside the layer (``recorded.py``), appended to the caller's collector."""
     device, block = layer._poros_device, layer._poros_block
     tensors = [*activations, *layer._poros_own]
     if block is not None:  # all host tensors in one load (Packing)
@@ -194,10 +196,13 @@ def call_region(layer: nn.Module, activations: list[torch.Tensor], call: str, ca
     # anyway (autograd drops it) gives it the same region as every later layer: one compile, not two
     if grad and "1" in grads and activations and activations[0].is_floating_point():
         grads = "1" + grads[1:]
-    call = SEP.join(e for e in (call, autocast_entry(device), mode_entry(layer)) if e)
+    call = SEP.join(e for e in (call, autocast_entry(device), mode_entry(layer), record_entry()) if e)
     outputs = REGION(tensors, layer._poros_table, layer._poros_layer, call, grads)
     k = 1
     for key, count in layer._poros_writes:
-        carried[key] = tuple(outputs[k:k + count])
+        if key.startswith(RECORDED):
+            append_recorded(key, tuple(outputs[k:k + count]))
+        else:
+            carried[key] = tuple(outputs[k:k + count])
         k += count
     return outputs[0]

@@ -36,6 +36,7 @@ from ..ops import LOAD
 from .call import rebuild_call, state_mapping
 from .key import autocast_of, state_names
 from .parameter_lora import with_parameter_lora
+from .recorded import RECORDED, recorded_chunks_error, recorded_keys, recording
 from .sequence_chunks import chunked_layer, static_rng_states, tag_recompute
 from .shapes import Expressions, Signature, TensorMeta, TensorSpec, new_env, read, read_plan, trace_inputs
 
@@ -136,8 +137,9 @@ class Region:
     # the codegens the region passes ran on its graphs for (a pass may do one codegen's work only; a
     # region shared by two models, or compiled with another codegen by an option, may serve both)
     lowered: set[str] = dataclasses.field(default_factory=set)
-    # state the layer writes for later layers (``call.py``): (name, tensors) per entry; its tensors are
-    # the outputs after the first, in this order
+    # state the layer writes for later layers (``call.py``), then what transformers' hooks recorded inside it
+    # (``recorded.py``: names starting with ``@``): (name, tensors) per entry; its tensors are the outputs
+    # after the first, in this order
     writes: tuple[tuple[str, int], ...] = ()
     # the outputs' gradients as the backward was traced with them (AOTAutograd may make a transposed
     # output's tangent contiguous); empty: laid out as the outputs are
@@ -302,12 +304,16 @@ def _trace(layer: nn.Module, call: str, grads: str, metas: list[TensorMeta], ind
         state = dict(zip(names, flat[num_activations:]))
         carried = state_mapping(args, kwargs)
         before = dict(carried) if carried is not None else {}
-        with torch.nn.utils.stateless._reparametrize_module(layer, state):
-            out = layer_class.forward(chunked_layer(with_parameter_lora(layer)), *args, **kwargs)
+        unchunked = with_parameter_lora(layer)
+        view = chunked_layer(unchunked)
+        with torch.nn.utils.stateless._reparametrize_module(layer, state), recording(recorded_keys(call)) as recorded:
+            out = layer_class.forward(view, *args, **kwargs)
+        if any(recorded.values()) and view is not unchunked:
+            raise PorosConfigError(recorded_chunks_error([k for k, v in recorded.items() if v]))
         if not isinstance(out, torch.Tensor):
             raise PorosConfigError(f"decoder layer {type(layer).__name__} returned {type(out).__name__}; a region "
                                    "takes layers that return their hidden states as one tensor (transformers 5)")
-        written = written_state(carried, before)
+        written = written_state(carried, before) + [(RECORDED + k, tuple(v)) for k, v in recorded.items() if v]
         found_writes[:] = [tuple((k, len(v)) for k, v in written)]
         return (out, *(t for _, v in written for t in v))
 
@@ -325,7 +331,8 @@ def _trace(layer: nn.Module, call: str, grads: str, metas: list[TensorMeta], ind
         expanded_grads = "".join(grads[s] if isinstance(s, int) else "0" for s in packing.sources)
         inputs = [t.requires_grad_(g == "1") for t, g in zip(inputs, expanded_grads)]
         try:
-            joint, fw, bw = _capture(fn, inputs)
+            with mode:  # the traced graph runs once on its inputs: a factory op (arange of a size) makes fakes too
+                joint, fw, bw = _capture(fn, inputs)
             signature = Signature(mode.shape_env, op_inputs)
         except PorosConfigError:
             raise
