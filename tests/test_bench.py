@@ -60,6 +60,7 @@ def test_smoke_run_writes_json_markdown_and_plot(tmp_path):
         assert r["error"] is None and r["model"] == "tiny" and r["steps"] == 2
         assert r["s_per_step"] > 0 and r["peak_gb"] is None and r["floor_s"] is None and r["wall_s"] is not None
         assert r["streamed_gb"] <= r["base_gb"]  # the embedding table is gathered, not streamed
+        assert 0 < r["host_rss_gb"] <= r["host_peak_rss_gb"]  # this process's, the host store's pinned pages in it
     assert "tiny" in env["runs"][-1]["build_s"]
     peft, poros = rows[("peft_resident", None, 32, 1)], rows[("poros", 1, 32, 1)]
     assert peft["ratio_vs_peft_resident"] == 1.0

@@ -30,7 +30,7 @@ from ..options import resolve_device
 from ..stats import stats
 from .h2d import copy_back_seconds, copy_seconds
 from .memory_profile import memory_step
-from .profiling import profile_step
+from .profiling import proc_status, profile_step
 from ..models.tiny import expert_paths_of_config, lora_targets
 
 
@@ -242,6 +242,10 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
                 row["load_slots_gb"] = round(graphs["load_slots"]["bytes"] / 1e9, 3)  # inside max_memory_allocated
                 timed_peak += graphs["pool_bytes"]
             row["peak_gb"] = round(max(warm_peak, timed_peak) / 1e9, 3)
+        host = proc_status()  # the host store is pinned memory of this process: counted in its RSS
+        if "VmRSS" in host:  # the peak is the process's so far: the model's build and earlier rows included
+            row["host_rss_gb"] = round(host["VmRSS"] / 1e9, 3)
+            row["host_peak_rss_gb"] = round(host.get("VmHWM", 0) / 1e9, 3)
         slug = _label(spec).replace(" ", "-").replace(".", "")
         if config.profile_dir is not None:  # after the peak is read: the profiler allocates too
             row["profile"] = profile_step(step, Path(config.profile_dir) / f"{slug}.trace.json.gz")
