@@ -38,6 +38,8 @@ CASES = {
     "qwen3_5_moe": ("qwen3_5_moe_text", {}),
     "gpt_oss": ("gpt_oss", {}),
     "mixtral": ("mixtral", {}),
+    # the router logits recorded in the regions and the auxiliary load-balancing loss added
+    "qwen3_moe_aux_loss": ("qwen3_moe", {"output_router_logits": True, "router_aux_loss_coef": 0.5}),
 }
 
 
