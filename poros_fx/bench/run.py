@@ -242,7 +242,7 @@ def run_row(holder: ModelHolder, method: Method, spec: RowSpec, config: BenchCon
                 row["load_slots_gb"] = round(graphs["load_slots"]["bytes"] / 1e9, 3)  # inside max_memory_allocated
                 timed_peak += graphs["pool_bytes"]
             row["peak_gb"] = round(max(warm_peak, timed_peak) / 1e9, 3)
-            # apart: the first steps compile (Inductor times its kernels on copies of their inputs) and plan
+            # apart: the first steps compile and plan (their peak can be far above a trained step's)
             row["untimed_peak_gb"], row["timed_peak_gb"] = round(warm_peak / 1e9, 3), round(timed_peak / 1e9, 3)
         host = proc_status()  # the host store is pinned memory of this process: counted in its RSS
         if "VmRSS" in host:  # the peak is the process's so far: the model's build and earlier rows included
