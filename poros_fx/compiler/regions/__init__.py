@@ -5,6 +5,7 @@ The package, in the order its modules build on each other:
 - ``call.py``: a layer call as tensors and a string (custom ops take no Python objects);
 - ``shapes.py``: symbolic sizes, a region's signature, binding a call's sizes;
 - ``views.py``: shallow copies of a layer with submodules replaced (``sequence_chunks.py``, ``parameter_lora.py``);
+- ``recorded.py``: what transformers' hooks record inside a layer (router logits) as more outputs of its region;
 - ``key.py``: what makes two layers one region (fingerprint), the mode Dynamo must guard;
 - ``trace.py``: a layer's joint graph, partitioned once (``Region``, ``Packing``);
 - ``compile.py``: one artifact per codegen (Inductor or the aten graph);
