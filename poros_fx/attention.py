@@ -37,6 +37,7 @@ from torch._higher_order_ops.cond import cond_op
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from .errors import PorosConfigError
+from .handles import text_config
 
 ATTENTION_DROPOUT_MESSAGE = (
     "attention dropout ({key}={dropout}) while training: the SDPA kernel draws its dropout mask inside the kernel "
@@ -69,7 +70,7 @@ def check_no_dropout(config: Any) -> None:
     """Refuse attention dropout on a model whose attention is ``"sdpa"`` (``ATTENTION_DROPOUT_MESSAGE``)."""
     if getattr(config, "_attn_implementation", None) not in (WRAPS, NAME):
         return
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     for key in ATTENTION_DROPOUT_KEYS:
         dropout = getattr(text, key, 0.0) or 0.0
         if dropout:

@@ -23,6 +23,11 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
+def text_config(config: Any) -> Any:
+    """The text model's config of ``config`` (a multimodal config's ``get_text_config()``), or ``config``."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def causal_lm(model: nn.Module) -> nn.Module:
     """The ``*ForCausalLM`` module inside a PEFT wrapper (or the model itself)."""
     model = unwrap(model)

@@ -156,7 +156,8 @@ def make_config(*, models: str = DEFAULT_MODELS, methods: str = DEFAULT_METHODS,
                        device=device, json_path=json_path, md_path=Path(md_path) if md_path else None,
                        plot_path=Path(plot_path) if plot_path else None, time_budget=time_budget,
                        compiled_resident=compiled_resident, profile_dir=Path(profile_dir) if profile_dir else None,
-                       memory_profile_dir=Path(memory_profile_dir) if memory_profile_dir else None, command=command, memory_budget=memory_budget, checkpoints=Path(checkpoints),
+                       memory_profile_dir=Path(memory_profile_dir) if memory_profile_dir else None,
+                       command=command, memory_budget=memory_budget, checkpoints=Path(checkpoints),
                        unsloth_offload_layers=unsloth_offload_layers, compile_warm=compile_warm,
                        device_memory_cap=device_memory_cap, sequence_chunks=sequence_chunks, expert_lora=expert_lora)
 

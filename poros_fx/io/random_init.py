@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoint import Alloc, Fetch
+from ..handles import text_config
 from .meta_model import COMPUTE_DTYPE, is_nf4_experts, is_nf4_weight, nf4_logical_shape, split_name
 
 if TYPE_CHECKING:
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
 
 def init_std(config: "transformers.PretrainedConfig") -> float:
     """The config's ``initializer_range`` (0.02 when it has none)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     return float(getattr(text, "initializer_range", None) or 0.02)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 from ..errors import PorosConfigError
+from ..handles import text_config
 from ..io.data import load_dataset
 from ..io.loader import resolve_folder
 from ..models.tiny import SHAPE_CONFIGS, lora_targets, qwen25_config, shape_config
@@ -70,7 +71,7 @@ def seq_len_limit(config: "transformers.PretrainedConfig") -> Optional[int]:
     """The longest sequence ``config``'s positions cover: ``max_position_embeddings``, extended by a RoPE
     scaling factor (of ``original_max_position_embeddings`` where the config names it); None when the config
     states no limit."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     limit = getattr(text, "max_position_embeddings", None)
     if not isinstance(limit, int):
         return None
@@ -98,7 +99,7 @@ def check_seq_len(config: "transformers.PretrainedConfig", seq_len: int, model: 
     """Refuse a ``--seq-len`` beyond the positions ``model``'s config covers (``seq_len_limit``)."""
     limit = seq_len_limit(config)
     if limit is not None and seq_len > limit:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         how = ("max_position_embeddings" if limit == text.max_position_embeddings else
                f"max_position_embeddings {text.max_position_embeddings} with its RoPE scaling factor")
         raise PorosConfigError(f"--seq-len {seq_len} is beyond what {model} covers: {limit} positions ({how}); give "

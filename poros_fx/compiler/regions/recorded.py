@@ -27,6 +27,7 @@ from torch import nn
 from transformers.utils.output_capturing import _active_collector, maybe_install_capturing_hooks
 
 from ...errors import PorosConfigError
+from ...handles import text_config
 from .call import SEP
 
 RECORD = "@record="  # the call string's entry naming the collector's keys (``rebuild_call`` skips it)
@@ -91,7 +92,7 @@ def recorded_chunks_error(keys: list[str]) -> str:
 def check_no_router_logits_with_chunks(config: object, chunks: int) -> None:
     """``recorded_chunks_error`` for a model whose config asks for its router logits, before anything is traced
     (a call that asks for them itself is refused when its region is traced)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     if chunks > 1 and getattr(text, "output_" + ROUTER_LOGITS, False):
         raise PorosConfigError(recorded_chunks_error([ROUTER_LOGITS]))
 
@@ -104,7 +105,7 @@ def install_recorders(model: nn.Module) -> int:
     installed = 0
     for module in model.modules():
         config = getattr(module, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        text = text_config(config)
         if (ROUTER_LOGITS in (getattr(module, "_can_record_outputs", None) or {})
                 and hasattr(text, "output_" + ROUTER_LOGITS)):
             maybe_install_capturing_hooks(module)
