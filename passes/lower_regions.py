@@ -25,16 +25,18 @@ Backward::
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable
 
 import torch.fx as fx
 
-from poros_fx.compiler.regions import REGION, REGION_BACKWARD, ROLE, compile_for, runners, table_of
+from poros_fx.compiler.regions import REGION, REGION_BACKWARD, ROLE, compile_for, runners, saved_only_runner, table_of
 from poros_fx.compiler.schedule import RegionUse, Schedule
 from poros_fx.errors import PorosConfigError
 from poros_fx.runtime.draws import REGION_DRAWS, CalledDraws
 
 from .block_partition import BLOCK
+from .rng import PHASE
 
 # node.meta of a region call: (the runner, the RNG wrapper calling it or None, the runner's argument slot in it)
 RUNNER = "poros_region_runner"
@@ -78,6 +80,8 @@ def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
                 f"({region.signature.describe()}); use codegen='eager' for this model, or one sequence length")
         forward, backward = runners(region, schedule.codegen)
         runner = forward if op is REGION else backward
+        if op is REGION and gm.meta.get(PHASE) == "backward" and _reads_saved_only(n, region.num_outputs):
+            runner = saved_only_runner(region, schedule.codegen) or runner  # a rerun for the backward
         n.meta[RUNNER] = (runner, None if slot < 0 else n.target, slot)
         if slot < 0:
             n.target = runner
@@ -90,6 +94,12 @@ def lower_regions(gm: fx.GraphModule, schedule: Schedule) -> fx.GraphModule:
         if op is REGION and n.meta.get(BLOCK) is not None:
             use.blocks.add(n.meta[BLOCK])
     return gm
+
+
+def _reads_saved_only(node: fx.Node, num_outputs: int) -> bool:
+    """Whether the graph reads only saved tensors of the region call ``node`` (none of its first
+    ``num_outputs`` outputs)."""
+    return all(u.target is operator.getitem and u.args[1] >= num_outputs for u in node.users)
 
 
 def calling(wrapper: Callable, slot: int, runner: Callable) -> Callable:

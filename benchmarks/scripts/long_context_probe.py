@@ -61,7 +61,7 @@ def peak_tensors(snapshot: dict, top: int = 15) -> list[dict]:
     return sorted(rows, key=lambda r: -r["gb"])[:top]
 
 
-def top_kernels(prof: torch.profiler.profile, top: int = 25) -> list[dict]:
+def top_kernels(prof: torch.profiler.profile, top: int = 40) -> list[dict]:
     """The device kernels with the most total time in a profiled step, and their share of all device time."""
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events) or 1

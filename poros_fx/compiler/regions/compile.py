@@ -37,6 +37,7 @@ import torch.fx as fx
 from ...errors import PorosConfigError
 from ...options import CODEGENS
 from .shapes import Expressions, expression
+from .split import ForwardParts, split_forward
 from .trace import Region, isolated
 
 logger = logging.getLogger("poros_fx")
@@ -64,13 +65,25 @@ def compile_region(region: Region, codegen: str, draws_of: Callable[[fx.GraphMod
     if codegen in region.compiled:
         return
     started = time.perf_counter()
+    parts = split_forward(region.forward, region.num_outputs, region.mode.shape_env) if region.backward else None
     if codegen == "eager":
         compiled = (_boxed(region.forward), _boxed(region.backward) if region.backward is not None else None)
         draws = draws_of(region.forward)
+        if parts is not None:
+            saved_part, rest = _boxed(parts.saved_part), _boxed(parts.rest)
+            compiled = (_forward_of(parts, saved_part, rest), compiled[1])
+            region.saved_only[codegen] = _saved_only_of(parts, saved_part, region.num_outputs)
+            draws = draws_of(parts.saved_part) + draws_of(parts.rest)
     elif codegen == "inductor":
         env = region.mode.shape_env
         guards_before, replacements_before = len(env.guards), dict(env.replacements)
-        fw, draws = _inductor(region, region.forward, draws_of, is_backward=False, inference=region.backward is None)
+        if parts is None:
+            fw, draws = _inductor(region, region.forward, draws_of, is_backward=False, inference=region.backward is None)
+        else:
+            saved_part, draws = _inductor(region, parts.saved_part, draws_of, is_backward=False, inference=False)
+            rest, rest_draws = _inductor(region, parts.rest, draws_of, is_backward=False, inference=False)
+            fw, draws = _forward_of(parts, saved_part, rest), draws + rest_draws
+            region.saved_only[codegen] = _saved_only_of(parts, saved_part, region.num_outputs)
         bw = None
         if region.backward is not None:
             bw, _ = _inductor(region, region.backward, draws_of, is_backward=True, inference=False)
@@ -86,6 +99,29 @@ def compile_region(region: Region, codegen: str, draws_of: Callable[[fx.GraphMod
     region.draws[codegen] = draws
     region.compile_seconds[codegen] = time.perf_counter() - started
     logger.info("poros: compiled region %s (%s) in %.1f s", region.name, codegen, region.compile_seconds[codegen])
+
+
+def _forward_of(parts: ForwardParts, saved_part: Callable, rest: Callable) -> Callable:
+    """A boxed forward that runs the two compiled parts of a split forward (``split.py``): its outputs,
+    then its saved tensors, as the whole graph returns them."""
+
+    def forward(args: list) -> list:
+        direct = [args[i] for kind, i in parts.rest_inputs if kind == "input"]  # taken before the boxed call
+        made = list(saved_part(args))                                        # clears ``args``
+        taken = iter(direct)
+        outputs = rest([next(taken) if kind == "input" else made[i] for kind, i in parts.rest_inputs])
+        return [*outputs, *made[:parts.num_saved]]
+
+    return forward
+
+
+def _saved_only_of(parts: ForwardParts, saved_part: Callable, num_outputs: int) -> Callable:
+    """A boxed forward that computes the saved tensors alone (``None`` in the outputs' places)."""
+
+    def saved_only(args: list) -> list:
+        return [None] * num_outputs + list(saved_part(args))[:parts.num_saved]
+
+    return saved_only
 
 
 def compile_conditions(env: Any, guards_before: int, replacements_before: dict) -> list[sympy.Expr]:

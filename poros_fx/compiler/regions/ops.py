@@ -66,6 +66,21 @@ def runners(region: Region, codegen: str) -> tuple[Callable, Callable | None]:
     return forward, (backward if bw is not None else None)
 
 
+def saved_only_runner(region: Region, codegen: str) -> Callable | None:
+    """A forward with the op's signature that computes the region's saved tensors alone (``None`` in its
+    outputs' places), where its forward is split (``split.py``); else ``None``."""
+    fw = region.saved_only.get(codegen)
+    if fw is None:
+        return None
+    expand = region.packing.expand
+
+    def saved_only(inputs: list, table: int, layer: int, call: str, grads: str) -> list:
+        return list(fw(expand(inputs)))
+
+    saved_only.__name__ = saved_only.__qualname__ = f"region_{region.name}_saved_only"
+    return saved_only
+
+
 @torch.library.custom_op("poros::region", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
 def region_op(inputs: list[torch.Tensor], table: int, layer: int, call: str, grads: str) -> list[torch.Tensor]:
     """Decoder layer ``layer`` of the model ``table`` on ``inputs`` (``call_region``'s list): its output,

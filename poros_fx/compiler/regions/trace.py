@@ -131,6 +131,9 @@ class Region:
     trace_seconds: float
     layers: list[int] = dataclasses.field(default_factory=list)
     compiled: dict[str, tuple[Callable, Callable | None]] = dataclasses.field(default_factory=dict)
+    # per codegen, where the forward is split (``split.py``): a forward that computes the saved tensors alone,
+    # for the step's backward, which reruns the region for them and reads none of its outputs
+    saved_only: dict[str, Callable] = dataclasses.field(default_factory=dict)
     # per codegen: what the compiled forward takes from the random generators (runtime/draws.py)
     draws: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
     compile_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
