@@ -100,7 +100,9 @@ def _save_block_outputs(gm: fx.GraphModule) -> None:
     for n in list(gm.graph.nodes):
         if not (n.target is operator.getitem and n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE):
             continue
-        later = [u for u in n.users if u.meta.get(BLOCK) != n.meta[BLOCK]]
+        # later blocks, and the backward (a norm's gradient reads its input): the saved copy, so no
+        # backward node needs the block rerun for its output (the rerun then computes its saved tensors alone)
+        later = [u for u in n.users if u.meta.get(BLOCK) != n.meta[BLOCK] or not u.meta.get(FORWARD)]
         if not later:
             continue
         with gm.graph.inserting_after(n):

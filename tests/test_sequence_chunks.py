@@ -3,6 +3,8 @@ backward. Streamed == stream=False bit for bit (two independent runs, every step
 the region then saves the MLP's input instead of its intermediates; the settings it cannot keep exact
 with are refused before the first step."""
 
+import collections
+
 import pytest
 import torch
 
@@ -103,6 +105,36 @@ def test_chunks_save_the_inputs_of_the_chunked_modules_not_their_intermediates()
     runs = [labels[n] for n in backward.nodes if labels[n] is not None and not computes_nothing(n)]
     runs = [label for i, label in enumerate(runs) if i == 0 or runs[i - 1] != label]
     assert sorted(runs) == list(range(5 * 4)), runs  # the MLP and q, k, v, o, four chunks each
+
+
+def _matmul_shapes(step_model, batch) -> collections.Counter:
+    """How often each matmul shape ran in one training step (the CPU profiler's ``aten::mm`` records)."""
+    step_model(**batch).loss.backward()  # compiled before the counted step
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        step_model(**batch).loss.backward()
+    return collections.Counter(str(e.input_shapes) for e in prof.events() if e.name == "aten::mm")
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_the_backward_reruns_a_region_for_its_saved_tensors_alone(chunks):
+    """Streamed, the backward reruns each layer for what the layer's backward reads, not for its output
+    (compiler/regions/split.py): the MLP's matmuls run as often as with stream=False (chunked: its forward
+    and the backward's recompute of each chunk, not a third time; unchunked: the down projection once)."""
+    counts = {}
+    for stream in (True, False):
+        torch._dynamo.reset()
+        model = tiny_lora_model("llama", dropout=0.1, layers=2, intermediate=96)
+        poros_fx.prepare(model, device="cpu", sequence_chunks=chunks)
+        step_model = torch.compile(model, backend="poros", options={"stream": stream})
+        counts[stream] = _matmul_shapes(step_model, demo_batches(1, vocab=256, seq=16)[0])
+        region = _chunked_regions(model)[0] if chunks > 1 else get_store(model).regions.regions[0]
+        assert "eager" in region.saved_only
+    tokens = 2 * 16 // chunks
+    into, out_of = f"[[{tokens}, 64], [64, 96]]", f"[[{tokens}, 96], [96, 64]]"  # x @ W_gate/up.T, and W_down's
+    assert counts[False][into] and counts[False][out_of]
+    # an unchunked layer saves its gate and up projections' outputs: the rerun computes them (two layers x two)
+    assert counts[True][into] - counts[False][into] == (4 if chunks == 1 else 0)
+    assert counts[True][out_of] == counts[False][out_of]  # the down projection is not rerun
 
 
 def test_settings_that_cannot_run_chunks_are_refused():

@@ -270,11 +270,15 @@ class _SizeSource:
 
 
 def _dense(env: Any, val: torch.Tensor) -> bool:
-    """Whether ``val``'s strides are the contiguous strides of its sizes, for every size."""
+    """Whether ``val``'s strides are the contiguous strides of its sizes, for every size (torch writes a
+    symbolic size's stride factor ``Max(1, n)``: the same where there is an element)."""
     expected = sympy.Integer(1)
     for size, stride in reversed(list(zip(val.shape, val.stride()))):
         size_expr = expression(env, size)
-        if size_expr != 1 and sympy.expand(expression(env, stride) - expected) != 0:
+        stride_expr = expression(env, stride).replace(
+            lambda e: type(e).__name__ == "Max" and len(e.args) == 2 and sympy.Integer(1) in e.args,
+            lambda e: next(a for a in e.args if a != 1))
+        if size_expr != 1 and sympy.expand(stride_expr - expected) != 0:
             return False
         expected = expected * size_expr
     return True
