@@ -9,6 +9,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -121,6 +122,13 @@ def _batches(vocab: int, seq: int, count: int, batch: int, device: torch.device,
 def _error(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _failed_at(e: BaseException, frames: int = 6) -> list[str]:
+    """The innermost frames of ``e``'s traceback (``file:line function``): where a row failed, for a
+    failure that cannot be reproduced without the device."""
+    stack = traceback.extract_tb(e.__traceback__)[-frames:]
+    return [f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} {f.name}" for f in stack]
 
 
 def _empty_row(spec: RowSpec) -> dict[str, Any]:
@@ -369,7 +377,7 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
                                   estimate_host_bytes(holder.config, holder.quantization),
                                   sum(block_bytes(holder.config, holder.quantization)[1]))
             except Exception as e:  # noqa: BLE001 - OOM or any failure: record it and go on
-                row["error"] = _error(e)
+                row["error"], row["failed_at"] = _error(e), _failed_at(e)
             # freed here, after the except block: until then the traceback keeps the failed step's tensors
             _free(device)
             if warm and not row["error"]:
