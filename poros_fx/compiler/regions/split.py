@@ -87,7 +87,8 @@ def split_forward(gm: fx.GraphModule, num_outputs: int, env: Any) -> ForwardPart
         if n.target is operator.getitem and n.args[0] in full:
             full.add(n)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    rest_nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n not in full and n not in state_only]
+    rest_nodes = [n for n in gm.graph.nodes
+                  if n.op in ("call_function", "get_attr") and n not in full and n not in state_only]
     if not any(any(k in str(n.target) for k in MATMUL_NAMES) for n in rest_nodes):
         return None
     if _crosses_a_write(gm.graph, full | state_only) or _draws_out_of_order(gm.graph, full | state_only):
@@ -98,7 +99,7 @@ def split_forward(gm: fx.GraphModule, num_outputs: int, env: Any) -> ForwardPart
         env_part[p] = part.node_copy(p)
     sizes = _SizeSource(part, env_part, env)
     for n in gm.graph.nodes:
-        if n in full and n.op == "call_function":
+        if n in full and n.op in ("call_function", "get_attr"):
             env_part[n] = part.node_copy(n, lambda a: env_part[a])
         elif n in state_only:
             args = list(n.args)
@@ -129,7 +130,8 @@ def split_forward(gm: fx.GraphModule, num_outputs: int, env: Any) -> ForwardPart
             env_rest[a] = rest.placeholder(a.name)
             rest_inputs.append(("part", len(saved) + len(carried)))
             carried.append(a)
-        elif isinstance(a.meta.get("val"), (torch.SymInt, int, float, bool)):  # a size: computed again here
+        elif a.op == "get_attr" or isinstance(a.meta.get("val"), (torch.SymInt, int, float, bool)):
+            # a subgraph (a cond's branch) or a size: taken or computed again here
             env_rest[a] = rest.node_copy(a, take)
             return env_rest[a]
         else:
