@@ -100,11 +100,12 @@ def _save_block_outputs(gm: fx.GraphModule) -> None:
     for n in list(gm.graph.nodes):
         if not (n.target is operator.getitem and n.meta.get("recompute") == CheckpointPolicy.MUST_RECOMPUTE):
             continue
-        # later blocks, and the backward (a norm's gradient reads its input): the saved copy, so no
-        # backward node needs the block rerun for its output (the rerun then computes its saved tensors alone)
-        later = [u for u in n.users if u.meta.get(BLOCK) != n.meta[BLOCK] or not u.meta.get(FORWARD)]
+        later = [u for u in n.users if u.meta.get(BLOCK) != n.meta[BLOCK]]
         if not later:
             continue
+        # the backward's readers of a block output take the saved copy too (a norm's gradient reads its
+        # input), so none needs the block rerun for its output (the rerun computes its saved tensors alone)
+        later += [u for u in n.users if not u.meta.get(FORWARD) and u not in later]
         with gm.graph.inserting_after(n):
             saved = gm.graph.call_function(torch.ops.aten.clone.default, (n,))
         saved.meta = {**n.meta, "recompute": CheckpointPolicy.MUST_SAVE, BOUNDARY: True}

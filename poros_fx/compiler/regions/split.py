@@ -126,6 +126,9 @@ def split_forward(gm: fx.GraphModule, num_outputs: int, env: Any) -> ForwardPart
             rest_inputs.append(("input", placeholders.index(a)))
         elif a in state_only:
             raise _Unsafe  # only its state and its result are read, through getitem
+        elif _is_view(a):  # taken again here from its base: a compiled part may return a view as a copy
+            env_rest[a] = rest.node_copy(a, take)
+            return env_rest[a]
         elif isinstance(a.meta.get("val"), torch.Tensor):
             env_rest[a] = rest.placeholder(a.name)
             rest_inputs.append(("part", len(saved) + len(carried)))
@@ -165,6 +168,18 @@ def split_forward(gm: fx.GraphModule, num_outputs: int, env: Any) -> ForwardPart
 
 class _Unsafe(Exception):
     pass
+
+
+def _is_view(node: fx.Node) -> bool:
+    """Whether ``node`` is a view of its input (an aten op whose result aliases it; an element of one)."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return isinstance(source, fx.Node) and _is_view(source)
+    schema = getattr(node.target, "_schema", None)
+    return (schema is not None and not schema.is_mutable and len(schema.returns) == 1
+            and schema.returns[0].alias_info is not None)
 
 
 def _ancestors(graph: fx.Graph, roots: list[fx.Node]) -> tuple[set[fx.Node], set[fx.Node]]:
