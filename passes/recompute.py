@@ -89,6 +89,9 @@ def _save_block_outputs(gm: fx.GraphModule) -> None:
     the op is recomputed in the backward anyway, so it would take the output from there, and every
     block's recompute would then need the block before it recomputed first, back to the embedding —
     the whole forward rerun at the start of the backward with every block's weights loaded at once.
+    The backward's own readers of that output (the final norm's gradient reads its input) take the copy
+    too: then no backward node reads a region's rerun output, and the rerun computes only what the
+    region's backward reads (``compiler/regions/split.py``).
 
         getitem = region[0]                     [block 1, MUST_RECOMPUTE]
         region_1 = poros.region([getitem, ...]) [block 2]
