@@ -77,8 +77,9 @@ class ForwardParts:
 
 def split_forward(gm: fx.GraphModule, num_outputs: int, env: Any) -> ForwardParts | None:
     """``gm`` (a region's forward: ``num_outputs`` outputs, then the saved tensors) as ``ForwardParts``,
-    or ``None`` where the rest would hold no matmul (nothing worth skipping) or the cut is not safe (an
-    op of the rest writes into a tensor of the saved part)."""
+    or ``None`` where the rest would hold no matmul (nothing worth skipping) or the cut is not safe: an op
+    writes into a tensor the other part reads, a random op of the rest draws before one of the saved part,
+    or a random input's sizes cannot be read off the forward's inputs."""
     output = next(iter(gm.graph.find_nodes(op="output")))
     outs = list(output.args[0])
     saved = outs[num_outputs:]
@@ -126,7 +127,7 @@ def split_forward(gm: fx.GraphModule, num_outputs: int, env: Any) -> ForwardPart
             rest_inputs.append(("input", placeholders.index(a)))
         elif a in state_only:
             raise _Unsafe  # only its state and its result are read, through getitem
-        elif _is_view(a):  # taken again here from its base: a compiled part may return a view as a copy
+        elif _is_view(a):  # made again here from its base (free), with the strides it has in the whole graph
             env_rest[a] = rest.node_copy(a, take)
             return env_rest[a]
         elif isinstance(a.meta.get("val"), torch.Tensor):
