@@ -97,6 +97,8 @@ def test_merge_and_failing_row(tmp_path):
                          ("boom", None, 16, 1)}
     assert rows[("boom", None, 32, 1)]["error"] == "RuntimeError: injected failure"
     assert rows[("boom", None, 32, 1)]["failed_at"][-1].endswith(" _raise")  # where it failed, innermost last
+    assert rows[("boom", None, 32, 1)]["host_available_gb_at_failure"] > 0  # the host's memory then (Linux)
+    assert second["env"]["runs"][-1]["host_ram_gb"] >= second["env"]["runs"][-1]["host_available_gb"] > 0
     assert rows[("boom", None, 32, 1)]["s_per_step"] is None and rows[("boom", None, 32, 1)]["ratio_vs_peft_resident"] is None
     assert rows[("peft_resident", None, 16, 1)]["error"] is None
     assert rows[("peft_resident", None, 16, 1)]["ratio_vs_peft_resident"] == 1.0

@@ -22,6 +22,7 @@ from .methods import METHODS, Method, State
 from .report import _label, load, md_path, plot_path, save, start_run, upsert
 from . import unsloth
 from .warm import add_warm, cold_cache
+from ..io.host_memory import proc_meminfo
 from ..io.loader import estimate_host_bytes
 from ..io.loader import from_config
 from ..io.sizes import block_bytes
@@ -60,7 +61,17 @@ def environment(device: torch.device) -> dict[str, Any]:
     env["cuda"] = torch.version.cuda if cuda else None
     env["pinned_h2d_gbps"] = round(measure_pinned_h2d(device), 2) if cuda else None
     env["pinned_d2h_gbps"] = round(measure_pinned_h2d(device, back=True), 2) if cuda else None
+    env["host_ram_gb"], env["host_available_gb"] = _gigabytes(proc_meminfo("MemTotal")), _host_available_gb()
     return env
+
+
+def _gigabytes(count: int | None) -> float | None:
+    return None if count is None else round(count / 1e9, 2)
+
+
+def _host_available_gb() -> float | None:
+    """The host's available memory now (``MemAvailable``): page-locked buffers come out of it."""
+    return _gigabytes(proc_meminfo("MemAvailable"))
 
 
 def _sync(device: torch.device) -> None:
@@ -378,6 +389,7 @@ def run(config: BenchConfig, methods: Mapping[str, Method] = METHODS,
                                   sum(block_bytes(holder.config, holder.quantization)[1]))
             except Exception as e:  # noqa: BLE001 - OOM or any failure: record it and go on
                 row["error"], row["failed_at"] = _error(e), _failed_at(e)
+                row["host_available_gb_at_failure"] = _host_available_gb()  # a page-locked allocation failing?
             # freed here, after the except block: until then the traceback keeps the failed step's tensors
             _free(device)
             if warm and not row["error"]:
