@@ -102,6 +102,19 @@ def expression(env: ShapeEnv, value: Any) -> sympy.Expr:
     return sympy.Integer(int(value))
 
 
+def contiguous(sizes: Sequence[sympy.Expr], strides: Sequence[sympy.Expr]) -> bool:
+    """Whether ``strides`` are the contiguous strides of ``sizes`` (expressions: for every size). torch
+    writes a symbolic size's factor in a stride ``Max(1, n)``: the same where there is an element."""
+    expected = sympy.Integer(1)
+    for size, stride in reversed(list(zip(sizes, strides))):
+        stride = stride.replace(lambda e: type(e).__name__ == "Max" and len(e.args) == 2 and sympy.Integer(1) in e.args,
+                                lambda e: next(a for a in e.args if a != 1))
+        if sympy.simplify(size - 1) != 0 and sympy.simplify(stride - expected) != 0:
+            return False
+        expected = expected * size
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """A tensor's sizes and strides as expressions, its dtype and device."""

@@ -55,7 +55,7 @@ import torch
 import torch.fx as fx
 
 from ...runtime.draws import is_random
-from .shapes import expression
+from .shapes import contiguous, expression
 
 aten = torch.ops.aten
 RNG_SAVE = torch._prims.rng_prims.run_and_save_rng_state
@@ -247,7 +247,8 @@ class _SizeSource:
                     self.dims.setdefault(expression(env, size), (copy, d))
 
     def empty_like(self, val: Any) -> fx.Node | None:
-        if not isinstance(val, torch.Tensor) or not _dense(self.env, val):
+        if not isinstance(val, torch.Tensor) or not contiguous([expression(self.env, d) for d in val.shape],
+                                                                  [expression(self.env, d) for d in val.stride()]):
             return None
         sizes: list[Any] = []
         for size in val.shape:
@@ -285,18 +286,3 @@ class _SizeSource:
                 out = self.graph.call_function(combine, (out, p))
             return out
         return None
-
-
-def _dense(env: Any, val: torch.Tensor) -> bool:
-    """Whether ``val``'s strides are the contiguous strides of its sizes, for every size (torch writes a
-    symbolic size's stride factor ``Max(1, n)``: the same where there is an element)."""
-    expected = sympy.Integer(1)
-    for size, stride in reversed(list(zip(val.shape, val.stride()))):
-        size_expr = expression(env, size)
-        stride_expr = expression(env, stride).replace(
-            lambda e: type(e).__name__ == "Max" and len(e.args) == 2 and sympy.Integer(1) in e.args,
-            lambda e: next(a for a in e.args if a != 1))
-        if size_expr != 1 and sympy.expand(stride_expr - expected) != 0:
-            return False
-        expected = expected * size_expr
-    return True

@@ -38,7 +38,7 @@ from .key import autocast_of, state_names
 from .parameter_lora import with_parameter_lora
 from .recorded import RECORDED, recorded_chunks_error, recorded_keys, recording
 from .sequence_chunks import chunked_layer, static_rng_states, tag_recompute
-from .shapes import Expressions, Signature, TensorMeta, TensorSpec, new_env, read, read_plan, trace_inputs
+from .shapes import Expressions, Signature, contiguous, TensorMeta, TensorSpec, new_env, read, read_plan, trace_inputs
 
 logger = logging.getLogger("poros_fx")
 
@@ -155,7 +155,7 @@ class Region:
         tangents = self.tangent_specs or self.output_specs[:self.num_outputs]
         self._tangents = _meta_expressions(symbols, tangents)
         # per output: its gradient handed to the backward contiguous (``.contiguous()``, no copy when it is)
-        self.contiguous_tangents = tuple(_contiguous(spec) for spec in tangents)
+        self.contiguous_tangents = tuple(contiguous(spec.sizes, spec.strides) for spec in tangents)
 
     @property
     def name(self) -> str:
@@ -195,16 +195,6 @@ class Region:
             else:
                 out.append(sizes[i])
         return out
-
-
-def _contiguous(spec: TensorSpec) -> bool:
-    """Whether ``spec``'s strides are the contiguous strides of its sizes (as expressions: for every size)."""
-    expected = sympy.Integer(1)
-    for size, stride in reversed(list(zip(spec.sizes, spec.strides))):
-        if sympy.simplify(size - 1) != 0 and sympy.simplify(stride - expected) != 0:
-            return False
-        expected = expected * size
-    return True
 
 
 class _MetaExpressions:
