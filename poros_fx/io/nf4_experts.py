@@ -13,7 +13,9 @@ transformers' own, on those values::
     ->  experts.parametrizations.gate_up_proj.original0   [E, N*K/2] uint8   (expert e: quantize_4bit(W[e]))
         ... .original1 absmax [E, N*K/64] uint8, .original2 offset [E], .original3 absmax2, .original4 code2
         experts.gate_up_proj  ==  stack(dequantize_4bit(packed[e], state[e]) for e)
-                              ==  dequantize_4bit(packed, state) in one call where no block straddles two experts
+                              ==  dequantize_4bit(packed, scales) in one call where no 64-value block straddles
+                                  two experts; scales: every expert's absmax by one dequantize_blockwise call,
+                                  each expert's padded to whole nested blocks
 
 Under ``prepare`` these tensors are frozen base like any other (streamed with their layer, loaded in
 the region, where the dequantization runs). Exact against what: streamed == ``stream=False`` == the
@@ -77,31 +79,37 @@ class NF4Experts(nn.Module):
 
     def forward(self, packed: torch.Tensor, absmax: torch.Tensor, offset: torch.Tensor, absmax2: torch.Tensor,
                 code2: torch.Tensor) -> torch.Tensor:
-        parts = [self._dequantize(packed[a:b], absmax[a:b], offset[a:b], absmax2[a:b], code2)
-                 for a, b in self._groups(packed.shape[0], absmax.shape[1])]
+        scales = self._scales(absmax, offset, absmax2, code2)
+        parts = [self._dequantize(packed[a:b], scales[a:b]) for a, b in self._groups(packed.shape[0])]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _groups(self, experts: int, blocks: int) -> list[tuple[int, int]]:
+    def _groups(self, experts: int) -> list[tuple[int, int]]:
         """Ranges of experts dequantized by one bitsandbytes call each: all of them in one, unless a block of
-        values or of nested scales would straddle two experts (then one each), or the call would pass
-        bitsandbytes' 32-bit element index."""
+        values would straddle two experts (then one each), or the call would pass bitsandbytes' 32-bit element
+        index."""
         numel = math.prod(self.shape)
-        if numel % NF4_BLOCKSIZE or blocks % NESTED_BLOCKSIZE:
+        if numel % NF4_BLOCKSIZE:
             return [(e, e + 1) for e in range(experts)]
         per_call = max(1, MAX_KERNEL_ELEMENTS // numel)
         return [(a, min(a + per_call, experts)) for a in range(0, experts, per_call)]
 
-    def _dequantize(self, packed: torch.Tensor, absmax: torch.Tensor, offset: torch.Tensor, absmax2: torch.Tensor,
-                    code2: torch.Tensor) -> torch.Tensor:
-        """bitsandbytes' ``dequantize_4bit`` of a nested state, for a run of experts whose blocks do not
-        straddle two of them: each element is what it is for its expert alone (the absmax first, in fp32,
-        plus that expert's offset)."""
-        ops = torch.ops.bitsandbytes
+    @staticmethod
+    def _scales(absmax: torch.Tensor, offset: torch.Tensor, absmax2: torch.Tensor, code2: torch.Tensor) -> torch.Tensor:
+        """Every expert's fp32 block scales ``[E, blocks]``, by one bitsandbytes ``dequantize_blockwise`` call: each
+        expert's quantized absmax is padded to whole nested blocks, so that no nested block straddles two experts
+        and each value is what that expert's own call gives (``code2[q] x absmax2[block]``), plus its offset."""
         experts, blocks = absmax.shape
-        scales = ops.dequantize_blockwise(absmax.reshape(-1), absmax2.reshape(-1), code2, NESTED_BLOCKSIZE,
-                                          torch.float32).view(experts, blocks) + offset[:, None]
-        return ops.dequantize_4bit(packed.reshape(-1, 1), scales.reshape(-1), NF4_BLOCKSIZE, "nf4",
-                                   [experts, *self.shape], self.dtype)
+        whole = absmax2.shape[1] * NESTED_BLOCKSIZE  # each expert's nested blocks, the last one filled up
+        padded = absmax if whole == blocks else torch.nn.functional.pad(absmax, (0, whole - blocks))
+        scales = torch.ops.bitsandbytes.dequantize_blockwise(padded.reshape(-1), absmax2.reshape(-1), code2,
+                                                            NESTED_BLOCKSIZE, torch.float32)
+        return scales.view(experts, whole)[:, :blocks] + offset[:, None]
+
+    def _dequantize(self, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """bitsandbytes' ``dequantize_4bit`` of a run of experts whose blocks of values do not straddle two of
+        them, from their block scales: each element is what it is for its expert alone."""
+        return torch.ops.bitsandbytes.dequantize_4bit(packed.reshape(-1, 1), scales.reshape(-1), NF4_BLOCKSIZE, "nf4",
+                                                      [packed.shape[0], *self.shape], self.dtype)
 
 
 def is_experts_module(module: nn.Module) -> bool:
