@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import poros_fx
+from poros_fx.compiler.host_fit import offloaded_bytes
+from poros_fx.handles import get_store
 from poros_fx.loss import chunked_causal_lm_loss, eager_rows, row_chunks
 from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train
 from poros_fx.models.tiny import lora_model, tiny_config
@@ -63,8 +65,10 @@ def test_gpu_chunked_loss_offloaded_boundaries_exact(nf4, codegen, deterministic
     assert compare(streamed, resident) == EQUAL, format_diffs(f"long {codegen}", compare(streamed, resident))
     stats = poros_fx.stats(model)
     assert stats["offloads"] > 0 and stats["eager_loads"] == 0
-    # the second optimizer step (longer) had its predecessor's page-locked buffer, and outgrew it
-    assert stats["offload_arena"]["allocations"] == 1, stats["offload_arena"]
+    # the forward's compile page-locked one micro-batch at the first length; block-major's second micro-batch
+    # outgrew it, so the second optimizer step grew it, and (longer) outgrew that
+    assert stats["offload_arena"]["allocations"] == 2 and stats["offload_arena"]["overflow_bytes"] > 0, \
+        stats["offload_arena"]
     if codegen == "eager":
         eager, _ = _run("eager", nf4, codegen)
         assert compare(streamed, eager) == EQUAL, format_diffs("long vs eager chunked", compare(streamed, eager))
@@ -82,15 +86,23 @@ def test_gpu_sequence_chunks_exact(nf4, codegen, deterministic):
 
 
 def test_gpu_offload_reuses_one_page_locked_buffer():
-    """Steps of one length: the first measures what a step offloads, every later one copies into one
-    buffer of that size, and what the backward reads from it is what the forward wrote (== stream=False)."""
-    def run(mode):
+    """Steps of one length: the forward's compile page-locks what one run of it offloads (before the first
+    step runs: it takes nothing from torch's pinned allocator), every step copies into that one buffer, and
+    what the backward reads from it is what the forward wrote (== stream=False)."""
+    def run(mode, steps=4):
         torch._dynamo.reset()
         config = tiny_config("qwen2", layers=4, hidden=256, heads=4, kv_heads=2, vocab=VOCAB, intermediate=1376)
         model = lora_model(config, dtype=torch.bfloat16, nf4=False, dropout=0.1, device="cuda")
         poros_fx.prepare(model, device="cuda", offload_boundaries=mode == "streamed")
         compiled = torch.compile(model, backend="poros", options={"stream": mode == "streamed"})
-        return train(model, compiled, _batches((128,) * 4)), model
+        return train(model, compiled, _batches((128,) * steps)), model
+
+    _, first = run("streamed", steps=1)
+    stats = poros_fx.stats(first)
+    schedule = get_store(first).schedules[-1]
+    reserved = offloaded_bytes(schedule.graphs["forward"], schedule.offloaded)
+    assert reserved == stats["offloaded_bytes"] > 0  # what the step offloaded (every size 512-aligned)
+    assert stats["offload_arena"] == {"bytes": reserved, "allocations": 1, "overflow_bytes": 0}, stats
 
     streamed, model = run("streamed")
     resident, _ = run("resident")

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import poros_fx
+from poros_fx.compiler import host_fit
+from poros_fx.compiler.host_fit import HOST_HEADROOM, offloaded_bytes, reserve_offload
 from poros_fx.errors import PorosConfigError
 from poros_fx.loss import chunked_causal_lm_loss, eager_rows, row_chunks
 from poros_fx.prepare import set_trace_options
@@ -149,3 +151,29 @@ def test_a_step_estimated_over_the_device_memory_is_refused_with_what_fits():
         check_step_fits(store, lm, (2, 4096), between, "the cap", offload_boundaries=False)
     with pytest.raises(PorosConfigError, match=r"longest length estimated to fit is about \d+ tokens"):
         check_step_fits(store, lm, (2, 1 << 20), between, "the cap", offload_boundaries=True)
+
+
+def test_what_a_forward_offloads_is_reserved_before_it_runs_or_the_step_is_refused(monkeypatch):
+    """``offloaded_bytes`` of a compiled forward is what one run of it offloads (the ledger's bytes); on CUDA a
+    host whose available memory cannot page-lock that much refuses the step before it runs, with the length
+    that fits, and page-locks nothing."""
+    model = tiny_lora_model("qwen2", dropout=0.0, layers=2, vocab=VOCAB)
+    poros_fx.prepare(model, device="cpu", offload_boundaries=True, chunked_loss=True)
+    batch = demo_batches(1, vocab=VOCAB, seq=SEQ, batch=BATCH, seed=3)[0]
+    torch.compile(model, backend="poros")(**batch, use_cache=False).loss.backward()
+    store = get_store(model)
+    schedule = store.schedules[-1]
+    forward = schedule.graphs["forward"]
+    need = offloaded_bytes(forward, schedule.offloaded)
+    assert need == poros_fx.stats(model)["offloaded_bytes"] == 3 * BATCH * SEQ * 64 * 4  # every size 512-aligned
+    on_cuda = types.SimpleNamespace(stream=True, offload_boundaries=True, device=torch.device("cuda"),
+                                    offloaded=schedule.offloaded)
+    monkeypatch.setattr(host_fit, "host_ram_available", lambda: HOST_HEADROOM + need // 4)
+    with pytest.raises(PorosConfigError, match=r"offloads 3 block outputs, .* to page-locked host memory .* About "
+                                               r"1024 tokens per sequence would fit"):
+        reserve_offload(forward, on_cuda, store, (BATCH, 4096))
+    assert store.offload_arena.capacity == 0 and store.offload_arena.allocations == 0
+    monkeypatch.setattr(host_fit, "host_ram_available", lambda: None)  # unreadable: not refused (nor checked)
+    off = types.SimpleNamespace(**{**vars(on_cuda), "offload_boundaries": False})
+    reserve_offload(forward, off, store, (BATCH, 4096))  # nothing offloaded: nothing to reserve
+    assert store.offload_arena.capacity == 0

@@ -44,7 +44,7 @@ from typing import Any, Callable, Iterator, TextIO
 
 import torch
 
-from ..io.host_memory import proc_meminfo
+from ..runtime.host_ram import proc_meminfo
 from ..units import table_gb, table_gib
 
 _MALLOC_CALLS = ("cudaMalloc", "cudaFree")  # the caching allocator growing or flushing: slow, and cudaFree syncs

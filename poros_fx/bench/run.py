@@ -22,7 +22,7 @@ from .methods import METHODS, Method, State
 from .report import _label, load, md_path, plot_path, save, start_run, upsert
 from . import unsloth
 from .warm import add_warm, cold_cache
-from ..io.host_memory import proc_meminfo
+from ..runtime.host_ram import proc_meminfo
 from ..io.loader import estimate_host_bytes
 from ..io.loader import from_config
 from ..io.sizes import block_bytes

@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..io.host_memory import proc_meminfo
+from ..runtime.host_ram import proc_meminfo
 
 PACKAGES = ("transformers", "peft", "bitsandbytes", "safetensors")
 

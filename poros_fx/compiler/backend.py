@@ -42,6 +42,7 @@ from .ddp import check_ddp_optimizer
 from .device_fit import check_step_fits, device_memory, traced_tokens
 from .dump import Dumper
 from .graph_metadata import forget_module_classes
+from .host_fit import reserve_offload
 from .ops import LOAD
 from .regions import REGION
 from .schedule import Schedule
@@ -347,6 +348,8 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
                 graph = graph_pass(graph, schedule)
                 dumper.graph(graph, f"{phase}_{graph_pass.__name__}")
             schedule.graphs[phase] = graph
+            if phase == "forward" and store is not None:
+                reserve_offload(graph, schedule, store, tokens)
             dumper.schedule(schedule)
             forget_module_classes(graph)
             graph.graph.set_codegen(_BoxedCodeGen())
@@ -357,6 +360,7 @@ def poros(gm: fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]
 
         return compile_graph
 
+    tokens = traced_tokens([n.name for n in gm.graph.find_nodes(op="placeholder")], example_inputs)
     aot_started = time.perf_counter()
     compiled = aot_module_simplified(gm, example_inputs, fw_compiler=compiler("forward"),
                                      bw_compiler=compiler("backward"), partition_fn=partition_fn)

@@ -37,11 +37,11 @@ def traced_tokens(placeholders: Sequence[str], example_inputs: Sequence[Any]) ->
     for key in ("input_ids", "labels"):
         for name, t in named.items():
             if key in name and isinstance(t, torch.Tensor) and t.dim() == 2:
-                return tuple(_hint(s) for s in t.shape)  # type: ignore[return-value]
+                return tuple(size_hint(s) for s in t.shape)  # type: ignore[return-value]
     return None
 
 
-def _hint(size: Any) -> int:
+def size_hint(size: Any) -> int:
     """A size's value in this trace (a symbolic size's hint)."""
     return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
 

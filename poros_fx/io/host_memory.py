@@ -1,49 +1,22 @@
 """Host memory: what a load will keep in the host store, the arena's exact size, and the check that
-refuses a load before a byte is read when available RAM cannot hold it.
+refuses a load before a byte is read when available RAM cannot hold it (the host's memory is read by
+``runtime/host_ram.py``).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Callable
 
 from torch import nn
 
 from ..runtime.arena import aligned
+from ..runtime.host_ram import host_ram_available
 from ..units import gib_or_mib
 from .checkpoint import LoaderError
 from .meta_model import is_nf4_weight, numel, param_groups, split_name
 from .quantize import NF4_BLOCKSIZE
 from .sizes import nf4_bytes
-
-
-def host_ram_available() -> int | None:
-    """Available host RAM in bytes: psutil when installed, else /proc/meminfo's MemAvailable, else None."""
-    try:
-        import psutil
-    except ImportError:
-        return proc_meminfo_available()
-    return int(psutil.virtual_memory().available)
-
-
-def proc_meminfo(key: str = "MemAvailable", path: str | os.PathLike = "/proc/meminfo") -> int | None:
-    """One line of a /proc/meminfo-format file (``MemAvailable``, ``MemTotal``, ...), in bytes (None when
-    absent or unreadable)."""
-    try:
-        with open(path, encoding="ascii") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    value, unit = line.split()[1:3]
-                    return int(value) * (1024 if unit.lower() == "kb" else 1)
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def proc_meminfo_available(path: str | os.PathLike = "/proc/meminfo") -> int | None:
-    """``MemAvailable`` from a /proc/meminfo-format file, in bytes (None when absent or unreadable)."""
-    return proc_meminfo("MemAvailable", path)
 
 
 def store_bytes(model: nn.Module) -> int:

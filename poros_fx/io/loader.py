@@ -38,13 +38,14 @@ from ..families import Family, resolve
 from ..options import prepare_settings, resolve_device
 from ..prepare import prepare, unwrap
 from ..runtime.arena import HostArena, nbytes
+from ..runtime.host_ram import host_ram_available, proc_meminfo_available
 from ..runtime.share import HostShare, wants_share
 from ..units import itemsize
 from . import manifest
 from .checkpoint import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, INDEX_FILE, SINGLE_FILE, CheckpointReader, Fetch, LoaderError,
                          TensorSpec, check_adapter, read_checkpoint_index, read_config, read_safetensors_header,
                          resolve_folder)
-from .host_memory import arena_capacity, check_ram, host_ram_available, proc_meminfo_available, store_bytes
+from .host_memory import arena_capacity, check_ram, store_bytes
 from .meta_model import (COMPUTE_DTYPE, attach_adapter, check_quantization, freeze_adapter, is_config, is_nf4_experts,
                          is_nf4_weight,
                          load_generation_config, meta_model, numel, plan_reads, quiet_peft, read_groups,

@@ -40,6 +40,7 @@ import torch
 
 from ..errors import PorosConfigError
 from ..units import GIB, gib
+from .host_ram import host_ram_available
 
 ALIGN = 512  # bytes; every tensor starts on this boundary (DMA-friendly, and a multiple of any element size)
 PAGE = 4096
@@ -72,10 +73,7 @@ class HostArena:
         self.capacity = capacity
         self.used = 0 if writable else capacity
         if buffer is None:
-            # pages are touched only when written; the usable range starts on a page boundary
-            raw = torch.empty(capacity + PAGE, dtype=torch.uint8)
-            start = -raw.data_ptr() % PAGE
-            buffer = raw[start:start + capacity]
+            buffer = page_aligned(capacity)
         elif buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != capacity:
             raise AssertionError(f"arena buffer must be {capacity} uint8 bytes, got {buffer.dtype} "
                                  f"{tuple(buffer.shape)}")
@@ -143,12 +141,8 @@ class HostArena:
         if self.pinned or self.used == 0:
             return
         release_freed_host_memory()
-        from torch.cuda import _pin_memory_utils
-
-        ptr = self.buffer.data_ptr()
-        _pin_memory_utils.pin_memory(ptr, self.capacity)
+        self._finalizer = page_lock(self, self.buffer, "the host store")
         self.pinned = True
-        self._finalizer = weakref.finalize(self, _unpin, self.buffer, ptr)
 
     def unpin(self) -> None:
         if self._finalizer is not None:
@@ -158,6 +152,43 @@ class HostArena:
     @property
     def pinned_bytes(self) -> int:
         return self.capacity if self.pinned else 0
+
+
+class PageLockedBuffer:
+    """``nbytes`` of host memory page-locked by one ``cudaHostRegister`` of exactly that size (torch's pinned
+    caching allocator would round a request up to a power of two: 40 GiB to 64), ``tensor`` (uint8). The
+    registration is undone when this object goes: whoever drops it first makes sure no copy still runs
+    from or into it."""
+
+    def __init__(self, nbytes: int, what: str) -> None:
+        self.tensor = page_aligned(nbytes)
+        self._finalizer = page_lock(self, self.tensor, what)
+
+
+def page_aligned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of uninitialised host memory starting on a page boundary (pages are touched only when
+    written, or when page-locked)."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE
+    return raw[start:start + nbytes]
+
+
+def page_lock(owner: object, buffer: torch.Tensor, what: str) -> weakref.finalize:
+    """Page-lock ``buffer`` (``cudaHostRegister``) until ``owner`` goes (the returned finalizer unregisters it
+    earlier when called); a failure raises ``PorosConfigError`` naming ``what`` and the host's memory."""
+    from torch.cuda import _pin_memory_utils
+
+    ptr, size = buffer.data_ptr(), buffer.numel()
+    try:
+        _pin_memory_utils.pin_memory(ptr, size)
+    except RuntimeError as e:
+        available = host_ram_available()
+        raise PorosConfigError(
+            f"could not page-lock {gib(size)} of host memory for {what} ({e}); the host has "
+            f"{gib(available) if available is not None else 'an unknown amount'} available. Free host memory, "
+            "use a host with more, or make the step hold less there (a shorter sequence or batch when it is "
+            "the boundary offload, NF4 when it is the host store)") from e
+    return weakref.finalize(owner, _unpin, buffer, ptr)
 
 
 def release_freed_host_memory() -> None:
