@@ -48,7 +48,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from poros_fx.io.host_memory import proc_meminfo as meminfo  # noqa: E402
+from poros_fx.runtime.host_ram import proc_meminfo as meminfo  # noqa: E402
 from poros_fx.bench.profiling import (Sampler, child_env, proc_status, reset_peak_rss, result_stream,  # noqa: E402
                                       run_child as run_command, sampling)
 from poros_fx.bench.tables import cell as fmt, environment, markdown_table, write_report  # noqa: E402
