@@ -17,7 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from poros_fx.exactness.parity import SURFACES, compare, format_diffs, train_as
 from poros_fx.handles import get_store
 from poros_fx.io.nf4_experts import NF4Experts
-from poros_fx.models.tiny import add_lora, base_model, demo_batches, gemma4_options, lora_targets, tiny_config
+import poros_fx
+from poros_fx.models.tiny import (EXPERTS, add_lora, base_model, demo_batches, gemma4_options, lora_targets,
+                                 tiny_config)
 
 EQUAL = {s: 0.0 for s in SURFACES}
 
@@ -131,3 +133,22 @@ def test_nf4_experts_stream_exactly(family):
     if family == "qwen3_moe":  # the generator compares every family's NF4 draws with the eager loop
         eager, _ = run("eager", family, FAMILIES[family])
         assert compare(streamed, eager) == EQUAL, format_diffs(f"{family} streamed vs eager", compare(streamed, eager))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_regions_keep_no_dequantized_experts_for_their_backward(family):
+    """The region's backward dequantizes the experts again from the loaded block (``regions/dequantized.py``):
+    nothing of the experts' size is among what its forward saves, and the step still equals ``stream=False``
+    (test_nf4_experts_stream_exactly, and the generator's NF4 draws)."""
+    torch._dynamo.reset()
+    model = add_lora(base_model(tiny_config(family, layers=2), dtype=torch.bfloat16, nf4=True),
+                     targets=list(lora_targets(family)), dropout=0.0)
+    poros_fx.prepare(model, device="cpu")
+    batch = demo_batches(1, vocab=256, seq=16, batch=2, seed=3)[0]
+    torch.compile(model, backend="poros")(**batch, use_cache=False).loss.backward()
+    regions = get_store(model).regions.regions
+    assert regions
+    for region in regions:
+        outputs = next(iter(region.forward.graph.find_nodes(op="output"))).args[0]
+        saved = [tuple(n.meta["val"].shape) for n in outputs[region.num_outputs:] if isinstance(n, torch.fx.Node)]
+        assert saved and not [s for s in saved if len(s) == 3 and s[0] == EXPERTS], saved

@@ -34,6 +34,7 @@ from ...errors import PorosConfigError
 from ..graph_metadata import forget_module_classes
 from ..ops import LOAD
 from .call import rebuild_call, state_mapping
+from .dequantized import tag_dequantized_recompute
 from .key import autocast_of, state_names
 from .parameter_lora import with_parameter_lora
 from .recorded import RECORDED, recorded_chunks_error, recorded_keys, recording
@@ -365,6 +366,7 @@ def _capture(fn: Callable, inputs: list[torch.Tensor]) -> tuple[Any, fx.GraphMod
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         _strip_loads(joint)
         tag_recompute(joint)
+        tag_dequantized_recompute(joint)
         graphs["joint"] = joint
         # a recomputed dropout saves its generator state as a tensor (graph-safe states would be new inputs)
         with functorch_config.patch(cse=False, graphsafe_rng_functionalization=False):
