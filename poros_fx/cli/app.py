@@ -35,6 +35,8 @@ from ..bench import unsloth, unsloth_worker
 from ..bench.h2d import measure_gpus, measure_ranks
 from ..compiler.backend import poros
 from ..compiler.estimate import long_context_plan, lora_bytes, step_memory
+from ..compiler.host_fit import HOST_HEADROOM
+from ..runtime.host_ram import host_ram_available
 from ..errors import PorosError, UnsupportedArchitectureError
 from ..exactness import sweep as exactness_sweep
 from ..families import resolve
@@ -249,10 +251,15 @@ def _check_step(config, layer_names: Optional[list[str]], names: list[str], size
                   f"{f' (chunked loss: one of {loss_chunks} vocabulary chunks)' if loss_chunks else ''} + one layer's recompute {format_bytes(est.layer)} (an estimate: "
                   "a memory budget plans from the first step's measured peak)", soft_wrap=True, highlight=False)
     if offload_boundaries:
-        # every layer's input waits on the host until its backward (one per micro-batch in flight)
-        offloaded = accumulate * config.num_hidden_layers * batch_size * seq_len * config.hidden_size * 2
+        # every layer's input and the last layer's output wait on the host until their backward (one set per
+        # micro-batch in flight)
+        offloaded = accumulate * (config.num_hidden_layers + 1) * batch_size * seq_len * config.hidden_size * 2
+        available = host_ram_available()
         console.print(f"offloaded boundaries: {format_bytes(offloaded)} of page-locked host memory, next to the base's "
-                      f"{format_bytes(sum(sizes))}", soft_wrap=True, highlight=False)
+                      f"{format_bytes(sum(sizes))}"
+                      + (f" (this host has {format_bytes(available)} available; a training step refuses to start where "
+                         f"the boundaries' share is over what its host has available, less {format_bytes(HOST_HEADROOM)})"
+                         if available is not None else ""), soft_wrap=True, highlight=False)
     if memory_budget is None:
         return
     if memory_budget == AUTO:
