@@ -8,7 +8,11 @@ again through the backward's rerun of the layer. ``tag_dequantized_recompute`` m
 bitsandbytes ops and every node computed from the base alone around them (the scales, the views of the
 result) ``MUST_RECOMPUTE``, so the region saves nothing of them: its backward dequantizes each matrix
 from the block (a region input, free to keep) right before it reads it. The values are the same
-bitsandbytes calls on the same bytes, so every codegen computes the same bits as before.
+bitsandbytes calls on the same bytes, so every codegen computes the same bits as before. What it costs:
+a recomputed layer's experts are dequantized three times per micro-batch (forward, the backward's rerun,
+the gradients) instead of twice; what it buys: one matrix at a time on the device instead of all of a
+layer's, and a layer whose activations are kept (``save_activations``) keeps activations only (Qwen3-30B-A3B
+at 512 tokens: 68 MB instead of 1.28 GB a layer; docs/bench/cpu/gptoss_experts.md).
 
 Region forward, before (gpt-oss, ``E`` experts)::
 
