@@ -34,6 +34,8 @@ in its own backward already. Nodes another tag marked (``sequence_chunks``' per-
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -44,15 +46,19 @@ NAMESPACE = "bitsandbytes"
 DEQUANTIZED_GRAPH_ID = 1 << 30
 
 
-def tag_dequantized_recompute(joint: fx.GraphModule) -> int:
+def tag_dequantized_recompute(joint: fx.GraphModule, primals: Sequence[Any]) -> int:
     """Mark the forward's bitsandbytes ops, the nodes they are computed from and the nodes computed from them
-    alone ``MUST_RECOMPUTE``; returns how many it marked. Only nodes no tangent reaches and no input that
-    takes a gradient reaches (what is computed from the frozen base alone) are marked."""
+    alone ``MUST_RECOMPUTE``; returns how many it marked. ``primals``: the region's traced inputs, in the order
+    of the joint graph's inputs before its tangents (their ``requires_grad`` says which take a gradient; the
+    graph's placeholders do not keep it). Only nodes that
+    neither a tangent nor an input that takes a gradient reaches (what is computed from the frozen base
+    alone) are marked."""
+    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    takes_grad = {p for p, t in zip(placeholders, primals) if isinstance(t, torch.Tensor) and t.requires_grad}
     activations: set[fx.Node] = set()  # what a tangent or an input that takes a gradient reaches
     for node in joint.graph.nodes:
         if node.op == "placeholder":
-            val = node.meta.get("val")
-            if node.name.startswith("tangents") or (isinstance(val, torch.Tensor) and val.requires_grad):
+            if node.name.startswith("tangents") or node in takes_grad:
                 activations.add(node)
         elif any(arg in activations for arg in node.all_input_nodes):
             activations.add(node)
@@ -65,10 +71,9 @@ def tag_dequantized_recompute(joint: fx.GraphModule) -> int:
             if arg.op == "call_function" and arg not in activations and arg not in found:
                 found.add(arg)
                 pending.append(arg)
-    # what is computed from them (and the base) alone: views, transposes, casts of the result
+    # what is computed from them alone: views, transposes, casts of the result
     for node in weight_only:
-        if node not in found and any(a in found for a in node.all_input_nodes) and \
-                all(a in found or a.op in ("placeholder", "get_attr") for a in node.all_input_nodes):
+        if node not in found and node.all_input_nodes and all(a in found for a in node.all_input_nodes):
             found.add(node)
     marked = 0
     for node in found:

@@ -366,7 +366,7 @@ def _capture(fn: Callable, inputs: list[torch.Tensor]) -> tuple[Any, fx.GraphMod
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         _strip_loads(joint)
         tag_recompute(joint)
-        tag_dequantized_recompute(joint)
+        tag_dequantized_recompute(joint, inputs)
         graphs["joint"] = joint
         # a recomputed dropout saves its generator state as a tensor (graph-safe states would be new inputs)
         with functorch_config.patch(cse=False, graphsafe_rng_functionalization=False):
