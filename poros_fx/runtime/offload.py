@@ -42,12 +42,12 @@ class OffloadArena:
     def reserve(self, nbytes: int) -> None:
         """Make the buffer hold at least ``nbytes`` now (between rounds: nothing handed out is alive)."""
         self.most_bytes = max(self.most_bytes, nbytes)
-        if not any(ref() is not None for ref in self._live):
+        if self._round_over():
             self._new_round()
 
     def take(self, like: torch.Tensor) -> torch.Tensor:
         """An uninitialised page-locked host tensor of ``like``'s sizes, strides and dtype."""
-        if not any(ref() is not None for ref in self._live):
+        if self._round_over():
             self._new_round()
         size = aligned(nbytes(like))
         self.round_bytes += size
@@ -62,6 +62,10 @@ class OffloadArena:
             host = raw.view(like.dtype)[:span].as_strided(like.shape, like.stride())
         self._live.append(weakref.ref(host))  # the round ends when all of them are let go
         return host
+
+    def _round_over(self) -> bool:
+        """Every slice handed out since the last reuse has been let go."""
+        return not any(ref() is not None for ref in self._live)
 
     def _new_round(self) -> None:
         self._live.clear()

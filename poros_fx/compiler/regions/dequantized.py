@@ -40,6 +40,8 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .sequence_chunks import reached_from
+
 NAMESPACE = "bitsandbytes"
 # larger than any chunk's checkpoint id: the partitioner saves a recomputed node whose recomputed user has
 # a larger id (the boundary between two checkpointed calls); a chunk never reads a weight-only node that way
@@ -50,18 +52,12 @@ def tag_dequantized_recompute(joint: fx.GraphModule, primals: Sequence[Any]) -> 
     """Mark the forward's bitsandbytes ops, the nodes they are computed from and the nodes computed from them
     alone ``MUST_RECOMPUTE``; returns how many it marked. ``primals``: the region's traced inputs, in the order
     of the joint graph's inputs before its tangents (their ``requires_grad`` says which take a gradient; the
-    graph's placeholders do not keep it). Only nodes that
-    neither a tangent nor an input that takes a gradient reaches (what is computed from the frozen base
-    alone) are marked."""
+    graph's placeholders do not keep it). Only nodes that neither a tangent nor an input that takes a
+    gradient reaches (what is computed from the frozen base alone) are marked."""
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
     takes_grad = {p for p, t in zip(placeholders, primals) if isinstance(t, torch.Tensor) and t.requires_grad}
-    activations: set[fx.Node] = set()  # what a tangent or an input that takes a gradient reaches
-    for node in joint.graph.nodes:
-        if node.op == "placeholder":
-            if node.name.startswith("tangents") or node in takes_grad:
-                activations.add(node)
-        elif any(arg in activations for arg in node.all_input_nodes):
-            activations.add(node)
+    tangents = {n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")}
+    activations = reached_from(joint, tangents | takes_grad)  # what a tangent or an input that takes a gradient reaches
     weight_only = [n for n in joint.graph.nodes if n.op == "call_function" and n not in activations]
     found = {n for n in weight_only if getattr(n.target, "namespace", None) == NAMESPACE}
     # what they are computed from

@@ -110,16 +110,20 @@ def is_linear(module: nn.Module) -> bool:
     return isinstance(getattr(module, "base_layer", module), nn.Linear)
 
 
+def reached_from(joint: fx.GraphModule, roots: set[fx.Node]) -> set[fx.Node]:
+    """``roots`` (placeholders of ``joint``) and every node computed from one of them."""
+    reached = set(roots)
+    for node in joint.graph.nodes:
+        if node.op != "placeholder" and any(arg in reached for arg in node.all_input_nodes):
+            reached.add(node)
+    return reached
+
+
 def tag_recompute(joint: fx.GraphModule) -> int:
     """Mark the forward nodes of every chunk's MLP call ``MUST_RECOMPUTE`` (one checkpoint id per chunk)
     for the min-cut partitioner; returns how many it marked. A backward node can carry its forward
     node's annotation: only nodes that no tangent reaches are forward nodes."""
-    backward: set[fx.Node] = set()
-    for node in joint.graph.nodes:
-        if node.op == "placeholder" and node.name.startswith("tangents"):
-            backward.add(node)
-        elif any(arg in backward for arg in node.all_input_nodes):
-            backward.add(node)
+    backward = reached_from(joint, {n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")})
     marked = 0
     for node in joint.graph.nodes:
         chunk = (node.meta.get("custom") or {}).get(CHUNK)
