@@ -444,16 +444,53 @@ def test_nf4_experts_load_as_bitsandbytes_quantizes_each_expert(tmp_path, family
     assert poros_fx.stats(model)["block_bytes"] == block_bytes(config, "nf4")[1]
 
 
-def test_mxfp4_experts_are_refused_with_how_to_dequantize(tmp_path):
-    """gpt-oss's hub checkpoints keep their experts in MXFP4 (``gate_up_proj_blocks`` / ``_scales``, uint8): the
-    loader names them and says how to get a float checkpoint, before reading anything."""
-    path = save_checkpoint(tmp_path / "gpt_oss", "gpt_oss", shard=None, layers=1)
+def save_mxfp4_checkpoint(path: Path, layers: int = 2) -> Path:
+    """A tiny gpt-oss checkpoint laid out as the hub's: every fused expert weight ``[experts, K, N]`` as MXFP4
+    ``<name>_blocks`` ``[experts, N, K/32, 16]`` and ``<name>_scales`` ``[experts, N, K/32]`` (random bytes;
+    exponents near 2^0), and a ``quantization_config`` saying so."""
+    path = save_checkpoint(path, "gpt_oss", shard=None, layers=layers)
     (file,) = path.glob("*.safetensors")
     tensors = safetensors.torch.load_file(file)
+    g = torch.Generator().manual_seed(3)
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        experts, rows, cols = tensors.pop(name).shape
-        tensors[f"{name}_blocks"] = torch.zeros(experts, rows, cols // 32, 16, dtype=torch.uint8)
-        tensors[f"{name}_scales"] = torch.zeros(experts, rows, cols // 32, dtype=torch.uint8)
+        experts, k, n = tensors.pop(name).shape
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (experts, n, k // 32, 16), generator=g, dtype=torch.uint8)
+        tensors[f"{name}_scales"] = torch.randint(118, 128, (experts, n, k // 32), generator=g, dtype=torch.uint8)
     safetensors.torch.save_file(tensors, file, metadata={"format": "pt"})
-    with pytest.raises(LoaderError, match=r"stored in MXFP4 .*_blocks / _scales.*Mxfp4Config\(dequantize=True\)"):
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("quantization", ["bf16", "nf4"])
+def test_mxfp4_experts_load_as_transformers_dequantizes_them(tmp_path, quantization):
+    """gpt-oss's hub checkpoints keep their experts in MXFP4: read as bf16 by transformers' own dequantization,
+    byte for byte the model ``from_pretrained(..., Mxfp4Config(dequantize=True))`` gives (and, with NF4, that
+    model's experts quantized per expert matrix)."""
+    from poros_fx.io.nf4_experts import quantize_experts_nf4
+
+    path = save_mxfp4_checkpoint(tmp_path / "gpt_oss")
+    model = load(path, lora=None, quantization=quantization)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        path, quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.bfloat16)
+    assert ref.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    if quantization == "nf4":
+        quantize_nf4(ref, compute_dtype=torch.bfloat16, device="cpu")
+        assert quantize_experts_nf4(ref) == 2 * 2
+    ref = poros_fx.prepare(ref.requires_grad_(False), device="cpu", prefetch=0)
+    got = store_manifest(model)
+    assert sum("experts" in k for k in got) >= 2 * 2 and got == store_manifest(ref)
+    assert getattr(causal_lm(model).config, "quantization_config", None) is None  # the model built is a bf16 one
+
+
+def test_mxfp4_experts_of_another_shape_are_refused(tmp_path):
+    path = save_mxfp4_checkpoint(tmp_path / "gpt_oss", layers=1)
+    (file,) = path.glob("*.safetensors")
+    tensors = safetensors.torch.load_file(file)
+    name = "model.layers.0.mlp.experts.down_proj_scales"
+    tensors[name] = tensors[name][..., :-1].contiguous()
+    safetensors.torch.save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(LoaderError, match=r"do not make 'model.layers.0.mlp.experts.down_proj' .* in MXFP4 \(expected U8"):
         load(path, lora=None)

@@ -100,6 +100,33 @@ class ExpertsSpec:
         return sum(p.nbytes for expert in self.parts for p in expert)
 
 
+@dataclasses.dataclass(frozen=True)
+class Mxfp4Spec:
+    """A fused expert weight ``[experts, K, N]`` that gpt-oss checkpoints hold in MXFP4: ``blocks``
+    ``[experts, N, K / 32, 16]`` (uint8, two FP4 e2m1 values a byte) and ``scales`` ``[experts, N, K / 32]``
+    (uint8, a power-of-two exponent biased by 127 for each 32 values). Read as bf16 by transformers' own
+    dequantization (``convert_moe_packed_tensors``, what ``Mxfp4Config(dequantize=True)`` loads), which is
+    exact: every FP4 value times a power of two in the E8M0 range is a bf16 value."""
+
+    name: str
+    blocks: TensorSpec
+    scales: TensorSpec
+    shape: tuple[int, ...]
+    dtype = "BF16"  # what it is read as
+
+    @property
+    def file(self) -> Path:
+        return self.blocks.file
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes + self.scales.nbytes
+
+
 def read_checkpoint_index(folder: str | os.PathLike) -> dict[str, TensorSpec]:
     """Every tensor of the folder's safetensors checkpoint, from the file headers only.
 
@@ -207,9 +234,11 @@ class CheckpointReader:
         self.handles: dict[Path, Any] = {}
         self.bytes_read = 0
 
-    def fetcher(self, spec: TensorSpec | ExpertsSpec) -> Fetch:
+    def fetcher(self, spec: TensorSpec | ExpertsSpec | Mxfp4Spec) -> Fetch:
         if isinstance(spec, ExpertsSpec):
             return lambda alloc: self.read_experts(spec, alloc)
+        if isinstance(spec, Mxfp4Spec):
+            return lambda alloc: self.read_mxfp4(spec, alloc)
         return lambda alloc: self.read(spec, alloc)
 
     def read_experts(self, spec: ExpertsSpec, alloc: Alloc) -> torch.Tensor:
@@ -225,10 +254,32 @@ class CheckpointReader:
                 row += part.shape[0]
         return fused
 
+    def read_mxfp4(self, spec: Mxfp4Spec, alloc: Alloc) -> torch.Tensor:
+        """``spec``'s blocks and scales, dequantized to bf16 by transformers one expert at a time (the
+        temporaries are one expert's) into the fused ``[experts, K, N]`` tensor."""
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+        blocks = self.read_uint8(spec.blocks)
+        scales = self.read_uint8(spec.scales)
+        fused = alloc(spec.shape, torch.bfloat16)
+        for e in range(spec.shape[0]):
+            fused[e] = convert_moe_packed_tensors(blocks[e:e + 1], scales[e:e + 1], dtype=torch.bfloat16)[0]
+        return fused
+
+    def read_uint8(self, spec: TensorSpec) -> torch.Tensor:
+        """A uint8 tensor (MXFP4's blocks and scales; not a float checkpoint tensor)."""
+        if spec.dtype != "U8":
+            raise LoaderError(f"{spec.file}: tensor {spec.name!r} has dtype {spec.dtype}, expected U8 (MXFP4 blocks "
+                              f"and scales)")
+        return self.read_bytes(spec, torch.empty(spec.shape, dtype=torch.uint8))
+
     def read(self, spec: TensorSpec, alloc: Alloc = lambda shape, dtype: torch.empty(shape, dtype=dtype)) -> torch.Tensor:
         if spec.dtype not in FLOAT_DTYPES:
             raise LoaderError(f"{spec.file}: tensor {spec.name!r} has dtype {spec.dtype}, not a float type")
-        tensor = alloc(spec.shape, FLOAT_DTYPES[spec.dtype])
+        return self.read_bytes(spec, alloc(spec.shape, FLOAT_DTYPES[spec.dtype]))
+
+    def read_bytes(self, spec: TensorSpec, tensor: torch.Tensor) -> torch.Tensor:
+        """``spec``'s bytes read into ``tensor`` (contiguous, of ``spec.nbytes``)."""
         buffer = tensor.reshape(-1).view(torch.uint8)
         try:
             handle = self.handles.get(spec.file)
@@ -319,7 +370,13 @@ def read_config(folder: Path) -> "transformers.PretrainedConfig":
         config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise LoaderError(f"{folder / 'config.json'}: transformers cannot read it ({e})") from None
-    if getattr(config, "quantization_config", None) is not None:
-        raise LoaderError(f"{folder / 'config.json'} describes a pre-quantized checkpoint (quantization_config); "
-                          f"poros-fx quantizes on load: pass the bf16/fp16/fp32 checkpoint")
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return config
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    if str(method) != "mxfp4":
+        raise LoaderError(f"{folder / 'config.json'} describes a pre-quantized checkpoint (quantization_config, "
+                          f"{method}); poros-fx quantizes on load: pass the bf16/fp16/fp32 checkpoint (MXFP4 experts, "
+                          f"as gpt-oss's, are read as bf16)")
+    del config.quantization_config  # its MXFP4 experts are read as bf16 (Mxfp4Spec); the model built is a bf16 one
     return config

@@ -42,8 +42,8 @@ from ..runtime.host_ram import host_ram_available, proc_meminfo_available
 from ..runtime.share import HostShare, wants_share
 from ..units import itemsize
 from . import manifest
-from .checkpoint import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, INDEX_FILE, SINGLE_FILE, CheckpointReader, Fetch, LoaderError,
-                         TensorSpec, check_adapter, read_checkpoint_index, read_config, read_safetensors_header,
+from .checkpoint import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, INDEX_FILE, ITEMSIZE, SINGLE_FILE, CheckpointReader, Fetch,
+                         LoaderError, TensorSpec, check_adapter, read_checkpoint_index, read_config, read_safetensors_header,
                          resolve_folder)
 from .host_memory import arena_capacity, check_ram, store_bytes
 from .meta_model import (COMPUTE_DTYPE, attach_adapter, check_quantization, freeze_adapter, is_config, is_nf4_experts,
@@ -123,7 +123,7 @@ def load_pretrained(name_or_path: str | os.PathLike, quantization: Quantization 
 
     with contextlib.ExitStack() as files:
         reader = CheckpointReader(files)
-        total = sum(s.nbytes for _, s in plan)
+        total = sum(s.numel * ITEMSIZE[s.dtype] for _, s in plan)  # the bytes of what is read (MXFP4 as bf16)
 
         def fill(arena: HostArena) -> int:
             with _progress(f"loading {Path(folder).name}", total, len(plan), progress) as advance:

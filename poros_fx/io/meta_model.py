@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import PorosConfigError
 from ..families import Family
-from .checkpoint import FLOAT_DTYPES, ExpertsSpec, LoaderError, TensorSpec, check_adapter
+from .checkpoint import FLOAT_DTYPES, ExpertsSpec, LoaderError, Mxfp4Spec, TensorSpec, check_adapter
 from .nf4_experts import NF4Experts, quantize_experts_nf4
 from .quantize import linear4bit_like
 
@@ -121,7 +121,8 @@ def param_groups(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     return list(groups.values())
 
 
-def plan_reads(model: nn.Module, specs: dict[str, TensorSpec], folder: Path) -> list[tuple[list[str], TensorSpec]]:
+def plan_reads(model: nn.Module, specs: dict[str, TensorSpec],
+               folder: Path) -> list[tuple[list[str], TensorSpec | ExpertsSpec | Mxfp4Spec]]:
     """Which checkpoint tensor fills which group of names; every mismatch raised before reading."""
     plan = []
     missing = []
@@ -130,11 +131,15 @@ def plan_reads(model: nn.Module, specs: dict[str, TensorSpec], folder: Path) -> 
         present = [alias for n in names for alias in checkpoint_names(n) if alias in specs]
         if not present:
             experts = experts_spec(names[0], tuple(meta.shape), specs)
-            if experts is None:
-                missing.append(names[0])
-            else:
+            packed = mxfp4_spec(names[0], tuple(meta.shape), specs) if experts is None else None
+            if experts is not None:
                 used.update(p.name for expert in experts.parts for p in expert)
                 plan.append((names, experts))
+            elif packed is not None:
+                used.update((packed.blocks.name, packed.scales.name))
+                plan.append((names, packed))
+            else:
+                missing.append(names[0])
             continue
         spec = specs[present[0]]  # a tied pair saved twice: the first name (the embedding) wins, as in transformers
         used.update(present)
@@ -149,13 +154,6 @@ def plan_reads(model: nn.Module, specs: dict[str, TensorSpec], folder: Path) -> 
             raise LoaderError(f"{spec.file}: tensor {spec.name!r} has shape {list(spec.shape)}, the model built from "
                               f"config.json expects {list(expected)} (config and weights from different models?)")
         plan.append((names, spec))
-    mxfp4 = [n for n in missing if f"{n}_blocks" in specs and f"{n}_scales" in specs]
-    if mxfp4:
-        raise LoaderError(f"{folder}: {few(mxfp4)} are stored in MXFP4 (gpt-oss's {mxfp4[0]}_blocks / _scales); "
-                          "poros-fx loads float checkpoints only. Dequantize it once: transformers' "
-                          "from_pretrained(folder, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16)"
-                          ".save_pretrained(new_folder), then load new_folder (quantization='nf4' quantizes the "
-                          "experts per expert matrix)")
     if missing:
         raise LoaderError(f"{folder}: the checkpoint has no tensor for {len(missing)} model weight(s): "
                           f"{few(missing)} (a different architecture, or an incomplete save?)")
@@ -200,6 +198,26 @@ def experts_spec(name: str, shape: tuple[int, ...], specs: dict[str, TensorSpec]
                                       f"{list(shape[1:])} (config and weights from different models?)")
             return ExpertsSpec(name, parts, shape)
     return None
+
+
+MXFP4_GROUP = 32  # values per scale (OCP microscaling): 16 bytes of two FP4 values each
+
+
+def mxfp4_spec(name: str, shape: tuple[int, ...], specs: dict[str, TensorSpec]) -> Mxfp4Spec | None:
+    """The MXFP4 blocks and scales (gpt-oss's ``<name>_blocks`` / ``<name>_scales``) that make the fused
+    weight ``name`` of ``shape`` ``[experts, K, N]``, or ``None``."""
+    blocks, scales = specs.get(f"{name}_blocks"), specs.get(f"{name}_scales")
+    if blocks is None or scales is None or len(shape) != 3:
+        return None
+    experts, k, n = shape
+    groups = -(-k // MXFP4_GROUP)
+    if (blocks.dtype, scales.dtype) != ("U8", "U8") or blocks.shape != (experts, n, groups, MXFP4_GROUP // 2) \
+            or scales.shape != (experts, n, groups) or groups * MXFP4_GROUP != k:
+        raise LoaderError(f"{blocks.file}: {blocks.name!r} {blocks.dtype} {list(blocks.shape)} and {scales.name!r} "
+                          f"{scales.dtype} {list(scales.shape)} do not make {name!r} {list(shape)} in MXFP4 (expected "
+                          f"U8 {[experts, n, k // MXFP4_GROUP, MXFP4_GROUP // 2]} and U8 {[experts, n, k // MXFP4_GROUP]}; "
+                          f"config and weights from different models?)")
+    return Mxfp4Spec(name, blocks, scales, shape)
 
 
 def nf4_logical_shape(module: nn.Module) -> tuple[int, int]:
