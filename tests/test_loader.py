@@ -494,3 +494,31 @@ def test_mxfp4_experts_of_another_shape_are_refused(tmp_path):
     safetensors.torch.save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(LoaderError, match=r"do not make 'model.layers.0.mlp.experts.down_proj' .* in MXFP4 \(expected U8"):
         load(path, lora=None)
+
+
+def test_an_adapter_trained_on_an_mxfp4_base_exports_onto_it(tmp_path):
+    """``poros-fx export`` onto an MXFP4 base: the experts stay the base's MXFP4 bytes (with its
+    ``quantization_config``), the attention gets the merged LoRA, and transformers loads the result."""
+    from poros_fx.io.export import export_merged
+
+    path = save_mxfp4_checkpoint(tmp_path / "gpt_oss", layers=1)
+    dequantized = transformers.Mxfp4Config(dequantize=True)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=dequantized, dtype=torch.float32)
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    tuned = peft.get_peft_model(base, lora)
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4)) * 0.05)
+    tuned.save_pretrained(tmp_path / "adapter")
+    report = export_merged(tmp_path / "adapter", path, tmp_path / "merged", any_base=True)
+    assert report.merged_modules == 2
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", quantization_config=dequantized,
+                                                               dtype=torch.bfloat16)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(path, quantization_config=dequantized, dtype=torch.bfloat16)
+    experts, plain_experts = merged.model.layers[0].mlp.experts, plain.model.layers[0].mlp.experts
+    assert torch.equal(experts.gate_up_proj, plain_experts.gate_up_proj)
+    assert torch.equal(experts.down_proj, plain_experts.down_proj)
+    attention, plain_attention = merged.model.layers[0].self_attn, plain.model.layers[0].self_attn
+    assert not torch.equal(attention.q_proj.weight, plain_attention.q_proj.weight)
+    assert torch.equal(attention.k_proj.weight, plain_attention.k_proj.weight)
