@@ -376,7 +376,7 @@ def read_config(folder: Path) -> "transformers.PretrainedConfig":
     method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
     if str(method) != "mxfp4":
         raise LoaderError(f"{folder / 'config.json'} describes a pre-quantized checkpoint (quantization_config, "
-                          f"{method}); poros-fx quantizes on load: pass the bf16/fp16/fp32 checkpoint (MXFP4 experts, "
+                          f"{method or 'no quant_method'}); poros-fx quantizes on load: pass the bf16/fp16/fp32 checkpoint (MXFP4 experts, "
                           f"as gpt-oss's, are read as bf16)")
     del config.quantization_config  # its MXFP4 experts are read as bf16 (Mxfp4Spec); the model built is a bf16 one
     return config
