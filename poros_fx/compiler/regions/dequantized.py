@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from .sequence_chunks import reached_from
+from .joint import is_tangent, reached_from
 
 NAMESPACE = "bitsandbytes"
 # larger than any chunk's checkpoint id: the partitioner saves a recomputed node whose recomputed user has
@@ -54,9 +54,10 @@ def tag_dequantized_recompute(joint: fx.GraphModule, primals: Sequence[Any]) -> 
     of the joint graph's inputs before its tangents (their ``requires_grad`` says which take a gradient; the
     graph's placeholders do not keep it). Only nodes that neither a tangent nor an input that takes a
     gradient reaches (what is computed from the frozen base alone) are marked."""
-    placeholders = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
-    takes_grad = {p for p, t in zip(placeholders, primals) if isinstance(t, torch.Tensor) and t.requires_grad}
-    tangents = {n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")}
+    placeholders = joint.graph.find_nodes(op="placeholder")
+    tangents = {n for n in placeholders if is_tangent(n)}
+    takes_grad = {p for p, t in zip([n for n in placeholders if n not in tangents], primals)
+                  if isinstance(t, torch.Tensor) and t.requires_grad}
     activations = reached_from(joint, tangents | takes_grad)  # what a tangent or an input that takes a gradient reaches
     weight_only = [n for n in joint.graph.nodes if n.op == "call_function" and n not in activations]
     found = {n for n in weight_only if getattr(n.target, "namespace", None) == NAMESPACE}

@@ -45,6 +45,7 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
+from .joint import is_tangent, reached_from
 from .views import with_children
 
 CHUNK = "poros_sequence_chunk"  # meta["custom"] key on the nodes of one chunk of one module's call (its label)
@@ -110,20 +111,11 @@ def is_linear(module: nn.Module) -> bool:
     return isinstance(getattr(module, "base_layer", module), nn.Linear)
 
 
-def reached_from(joint: fx.GraphModule, roots: set[fx.Node]) -> set[fx.Node]:
-    """``roots`` (placeholders of ``joint``) and every node computed from one of them."""
-    reached = set(roots)
-    for node in joint.graph.nodes:
-        if node.op != "placeholder" and any(arg in reached for arg in node.all_input_nodes):
-            reached.add(node)
-    return reached
-
-
 def tag_recompute(joint: fx.GraphModule) -> int:
     """Mark the forward nodes of every chunk's MLP call ``MUST_RECOMPUTE`` (one checkpoint id per chunk)
     for the min-cut partitioner; returns how many it marked. A backward node can carry its forward
     node's annotation: only nodes that no tangent reaches are forward nodes."""
-    backward = reached_from(joint, {n for n in joint.graph.find_nodes(op="placeholder") if n.name.startswith("tangents")})
+    backward = reached_from(joint, {n for n in joint.graph.find_nodes(op="placeholder") if is_tangent(n)})
     marked = 0
     for node in joint.graph.nodes:
         chunk = (node.meta.get("custom") or {}).get(CHUNK)
