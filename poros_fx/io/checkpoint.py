@@ -100,6 +100,9 @@ class ExpertsSpec:
         return sum(p.nbytes for expert in self.parts for p in expert)
 
 
+MXFP4_GROUP = 32  # values per scale (OCP microscaling): 16 bytes of two FP4 values each
+
+
 @dataclasses.dataclass(frozen=True)
 class Mxfp4Spec:
     """A fused expert weight ``[experts, K, N]`` that gpt-oss checkpoints hold in MXFP4: ``blocks``

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import PorosConfigError
 from ..families import Family
-from .checkpoint import FLOAT_DTYPES, ExpertsSpec, LoaderError, Mxfp4Spec, TensorSpec, check_adapter
+from .checkpoint import FLOAT_DTYPES, MXFP4_GROUP, ExpertsSpec, LoaderError, Mxfp4Spec, TensorSpec, check_adapter
 from .nf4_experts import NF4Experts, quantize_experts_nf4
 from .quantize import linear4bit_like
 
@@ -200,9 +200,6 @@ def experts_spec(name: str, shape: tuple[int, ...], specs: dict[str, TensorSpec]
     return None
 
 
-MXFP4_GROUP = 32  # values per scale (OCP microscaling): 16 bytes of two FP4 values each
-
-
 def mxfp4_spec(name: str, shape: tuple[int, ...], specs: dict[str, TensorSpec]) -> Mxfp4Spec | None:
     """The MXFP4 blocks and scales (gpt-oss's ``<name>_blocks`` / ``<name>_scales``) that make the fused
     weight ``name`` of ``shape`` ``[experts, K, N]``, or ``None``."""
@@ -210,13 +207,13 @@ def mxfp4_spec(name: str, shape: tuple[int, ...], specs: dict[str, TensorSpec]) 
     if blocks is None or scales is None or len(shape) != 3:
         return None
     experts, k, n = shape
-    groups = -(-k // MXFP4_GROUP)
-    if (blocks.dtype, scales.dtype) != ("U8", "U8") or blocks.shape != (experts, n, groups, MXFP4_GROUP // 2) \
-            or scales.shape != (experts, n, groups) or groups * MXFP4_GROUP != k:
+    expected = (experts, n, k // MXFP4_GROUP, MXFP4_GROUP // 2)
+    if k % MXFP4_GROUP or (blocks.dtype, scales.dtype) != ("U8", "U8") or blocks.shape != expected \
+            or scales.shape != expected[:3]:
         raise LoaderError(f"{blocks.file}: {blocks.name!r} {blocks.dtype} {list(blocks.shape)} and {scales.name!r} "
                           f"{scales.dtype} {list(scales.shape)} do not make {name!r} {list(shape)} in MXFP4 (expected "
-                          f"U8 {[experts, n, k // MXFP4_GROUP, MXFP4_GROUP // 2]} and U8 {[experts, n, k // MXFP4_GROUP]}; "
-                          f"config and weights from different models?)")
+                          f"U8 {list(expected)} and U8 {list(expected[:3])}; config and weights from different "
+                          f"models?)")
     return Mxfp4Spec(name, blocks, scales, shape)
 
 
